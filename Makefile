@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine with only Python 3.11 and pip:
+#   make demo   - the main job: a mixed-precision training run with an overflow episode
+#   make test   - ruff (check + format) and the whole test suite, notebooks included
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint format bench bench-large clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	$(PY) -m pytest -n 2 --dist loadfile
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+bench-large: $(STAMP)
+	$(PY) -m benchmarks --large
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,57 @@
+"""Cerebras-style loss scaling as pure, jittable JAX functions.
+
+Configuration is a frozen dataclass (:class:`StaticLossScale`, :class:`DynamicLossScale`), state
+a NamedTuple of arrays (:class:`LossScaleState`), and every operation a pure function of them.
+"""
+
+from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale, make_config
+from amp_core.scaling import (
+    CLIP_EPSILON,
+    GradCheck,
+    StepResult,
+    apply_multiplier,
+    check_and_update,
+    check_grads,
+    clip_coefficient,
+    global_norm_of_unscaled,
+    scale_loss,
+    select_if_finite,
+    unscale_and_check,
+    update,
+)
+from amp_core.state import (
+    LossScaleState,
+    from_state_dict,
+    init,
+    state_dict_keys,
+    to_state_dict,
+)
+from amp_core.transforms import LossScaledState, loss_scale_state, value_and_grad, with_loss_scaling
+
+__all__ = [
+    "CLIP_EPSILON",
+    "DynamicLossScale",
+    "GradCheck",
+    "LossScaleConfig",
+    "LossScaleState",
+    "LossScaledState",
+    "StaticLossScale",
+    "StepResult",
+    "apply_multiplier",
+    "check_and_update",
+    "check_grads",
+    "clip_coefficient",
+    "from_state_dict",
+    "global_norm_of_unscaled",
+    "init",
+    "loss_scale_state",
+    "make_config",
+    "scale_loss",
+    "select_if_finite",
+    "state_dict_keys",
+    "to_state_dict",
+    "unscale_and_check",
+    "update",
+    "value_and_grad",
+    "with_loss_scaling",
+]

@@ -1,0 +1,299 @@
+"""The pure loss-scaling functions: scale, unscale + check (+ clip), update, select.
+
+Every function is jittable and free of host synchronisation; ``config`` is static (hashable),
+``state`` and the gradients are data. Reductions accumulate in float32; element-wise results keep
+each gradient's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from amp_core.config import DynamicLossScale, LossScaleConfig
+from amp_core.state import COUNTER_DTYPE, LossScaleState
+
+CLIP_EPSILON = 1e-6
+"""Added to the global norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does."""
+
+
+class GradCheck(NamedTuple):
+    """The result of reading a gradient tree once (:func:`check_grads`).
+
+    Attributes:
+        multiplier: what every gradient must be multiplied by: ``1 / loss_scale``, times the
+            clip coefficient when GCC is configured (float32, 0-d).
+        isfinite: whether the step may be applied (bool, 0-d; always ``True`` for static
+            scaling, which never checks).
+        global_norm: the global L2 norm of the unscaled, unclipped gradients (float32, 0-d).
+    """
+
+    multiplier: jax.Array
+    isfinite: jax.Array
+    global_norm: jax.Array
+
+
+def scale_loss(state: LossScaleState, loss: jax.typing.ArrayLike) -> jax.Array:
+    """Returns ``float32(loss) * loss_scale``, the loss to differentiate.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> state = amp_core.init(amp_core.DynamicLossScale(init_scale=8.0))
+        >>> float(amp_core.scale_loss(state, jnp.float16(0.5)))
+        4.0
+    """
+    return jnp.asarray(loss).astype(jnp.float32) * state.loss_scale
+
+
+def _float_leaves(grads: Any) -> list[jax.Array]:
+    return [g for g in jax.tree_util.tree_leaves(grads) if _is_float(g)]
+
+
+def _is_float(leaf: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
+
+
+def _unscaled(grad: jax.Array, inv_scale: jax.Array) -> jax.Array:
+    # Multiply in float32 and round once to the gradient's dtype, as torch's ``g.mul_(inv)`` does:
+    # the reciprocal of a large scale (2**-31) is not representable in float16.
+    return (grad.astype(jnp.float32) * inv_scale).astype(grad.dtype)
+
+
+def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
+    """The float32 L2 norm of ``grads * inv_scale`` over all floating leaves, read-only.
+
+    The unscaled values are rounded to each leaf's dtype before squaring (they are what the
+    optimizer would see), and squared and summed in float32. A finite value whose square
+    overflows float32 (``|g| >= ~1.8e19``) gives ``inf``. An empty tree has norm 0.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> float(amp_core.global_norm_of_unscaled([jnp.array([6.0, 8.0])], 0.5))
+        5.0
+    """
+    inv = jnp.asarray(inv_scale, jnp.float32)
+    total = jnp.zeros((), jnp.float32)
+    for grad in _float_leaves(grads):
+        total = total + jnp.sum(jnp.square(_unscaled(grad, inv).astype(jnp.float32)))
+    return jnp.sqrt(total)
+
+
+def clip_coefficient(global_norm: jax.Array, max_gradient_norm: float) -> jax.Array:
+    """``min(max_gradient_norm / (global_norm + 1e-6), 1)`` in float32, as ``clip_grad_norm_``.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> float(amp_core.clip_coefficient(jnp.float32(0.5), 1.0))
+        1.0
+    """
+    coef = jnp.float32(max_gradient_norm) / (global_norm + jnp.float32(CLIP_EPSILON))
+    return jnp.minimum(coef, jnp.float32(1.0))
+
+
+def check_grads(config: LossScaleConfig, state: LossScaleState, grads: Any) -> GradCheck:
+    """Reads scaled gradients once: global norm, overflow flag and the multiplier to apply.
+
+    This is the read-only half of :func:`unscale_and_check`: it never writes a gradient, so a
+    caller that owns the gradient memory (the torch facade) applies ``multiplier`` in place. With
+    DLS + GCC the multiplier already folds in the clip coefficient, so unscaling and clipping
+    are one multiply.
+
+    Args:
+        config: the loss-scaling configuration.
+        state: the current state (its ``loss_scale`` scaled these gradients).
+        grads: any pytree; non-floating leaves and ``None`` are ignored.
+
+    Returns:
+        A :class:`GradCheck`.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> cfg = amp_core.DynamicLossScale(init_scale=4.0, max_gradient_norm=1.0)
+        >>> check = amp_core.check_grads(cfg, amp_core.init(cfg), {"w": jnp.array([12.0, 16.0])})
+        >>> float(check.global_norm), bool(check.isfinite), round(float(check.multiplier), 4)
+        (5.0, True, 0.05)
+    """
+    inv_scale = jnp.float32(1.0) / state.loss_scale
+    norm = global_norm_of_unscaled(grads, inv_scale)
+    if not config.is_dynamic:
+        return GradCheck(inv_scale, jnp.asarray(True), norm)
+    isfinite = norm < jnp.float32(jnp.inf)
+    multiplier = inv_scale
+    if config.max_gradient_norm is not None:
+        multiplier = inv_scale * clip_coefficient(norm, config.max_gradient_norm)
+    return GradCheck(multiplier, isfinite, norm)
+
+
+def apply_multiplier(grads: Any, multiplier: jax.typing.ArrayLike) -> Any:
+    """Multiplies every floating leaf by ``multiplier`` in float32, keeping each leaf's dtype.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> amp_core.apply_multiplier({"w": jnp.ones(2, jnp.float16)}, 0.25)["w"].dtype
+        dtype('float16')
+    """
+    m = jnp.asarray(multiplier, jnp.float32)
+    return jax.tree_util.tree_map(lambda g: _unscaled(g, m) if _is_float(g) else g, grads)
+
+
+def unscale_and_check(
+    config: LossScaleConfig, state: LossScaleState, grads: Any
+) -> tuple[Any, jax.Array, jax.Array]:
+    """Unscales (and with GCC clips) a gradient tree and checks it for overflow.
+
+    Args:
+        config: the loss-scaling configuration.
+        state: the current state.
+        grads: gradients of the scaled loss; any pytree.
+
+    Returns:
+        ``(grads, isfinite, global_norm)``: the unscaled (and clipped) gradients in their own
+        dtypes, whether they are all finite (always ``True`` for static scaling), and the
+        global norm of the unscaled gradients before clipping.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> cfg = amp_core.DynamicLossScale(init_scale=4.0)
+        >>> g, ok, norm = amp_core.unscale_and_check(cfg, amp_core.init(cfg), [jnp.array([4.0, jnp.inf])])
+        >>> bool(ok), float(g[0][0])
+        (False, 1.0)
+    """
+    check = check_grads(config, state, grads)
+    return apply_multiplier(grads, check.multiplier), check.isfinite, check.global_norm
+
+
+def update(
+    config: LossScaleConfig,
+    state: LossScaleState,
+    isfinite: jax.typing.ArrayLike,
+    global_norm: jax.typing.ArrayLike | None = None,
+) -> LossScaleState:
+    """Applies the SPEC section 2 update once, for a step whose overflow flag is ``isfinite``.
+
+    Static scaling changes nothing but the recorded ``global_norm``. Dynamic scaling (all
+    branch-free, so one XLA computation)::
+
+        steps += 1; overflows += 1 - isfinite
+        dec = overflow_tolerance < overflows / steps      # float32, strict
+        scale /= 1 + dec;  if dec: steps = overflows = 0
+        inc = steps_per_increase < steps                  # strict
+        scale *= 1 + inc;  if inc: steps = overflows = 0
+        scale = min(scale, max_loss_scale); non_clamped = scale
+        scale = max(scale, min_loss_scale)
+        num_skipped_steps += 1 - isfinite
+
+    Args:
+        config: the loss-scaling configuration.
+        state: the state before the update.
+        isfinite: 0-d bool, the step's overflow flag.
+        global_norm: optional 0-d norm of the step, recorded in the state for inspection.
+
+    Returns:
+        The new state.
+
+    Raises:
+        ValueError: ``isfinite`` or ``global_norm`` is not 0-d.
+
+    Example:
+        >>> import amp_core
+        >>> cfg = amp_core.DynamicLossScale(init_scale=1024.0)
+        >>> float(amp_core.update(cfg, amp_core.init(cfg), False).loss_scale)
+        512.0
+    """
+    isfinite = _scalar("isfinite", isfinite, jnp.bool_)
+    norm = state.global_norm if global_norm is None else _scalar("global_norm", global_norm)
+    if not isinstance(config, DynamicLossScale):
+        return state._replace(isfinite=jnp.asarray(True), global_norm=norm)
+    overflow = jnp.logical_not(isfinite).astype(COUNTER_DTYPE)
+    zero = jnp.zeros((), COUNTER_DTYPE)
+
+    steps = state.steps_since_rescale + 1
+    overflows = state.overflows_since_rescale + overflow
+    ratio = overflows.astype(jnp.float32) / steps.astype(jnp.float32)
+    decrease = jnp.float32(config.overflow_tolerance) < ratio
+    scale = jnp.where(decrease, state.loss_scale / 2, state.loss_scale)
+    steps = jnp.where(decrease, zero, steps)
+    overflows = jnp.where(decrease, zero, overflows)
+
+    increase = config.steps_per_increase < steps
+    scale = jnp.where(increase, scale * 2, scale)
+    steps = jnp.where(increase, zero, steps)
+    overflows = jnp.where(increase, zero, overflows)
+
+    scale = jnp.minimum(scale, jnp.float32(config.max_loss_scale))
+    non_clamped = scale
+    scale = jnp.maximum(scale, jnp.float32(config.min_loss_scale))
+    return LossScaleState(
+        loss_scale=scale,
+        non_clamped_scale=non_clamped,
+        steps_since_rescale=steps,
+        overflows_since_rescale=overflows,
+        num_skipped_steps=state.num_skipped_steps + overflow,
+        isfinite=isfinite,
+        global_norm=norm,
+    )
+
+
+class StepResult(NamedTuple):
+    """The result of :func:`check_and_update`.
+
+    Attributes:
+        multiplier: what the gradients must be multiplied by this step (from the old scale).
+        isfinite: whether the step may be applied.
+        global_norm: the global norm of the unscaled gradients.
+        next_state: the state after this step's update.
+    """
+
+    multiplier: jax.Array
+    isfinite: jax.Array
+    global_norm: jax.Array
+    next_state: LossScaleState
+
+
+def check_and_update(config: LossScaleConfig, state: LossScaleState, grads: Any) -> StepResult:
+    """:func:`check_grads` and :func:`update` in one computation (one dispatch per step).
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> cfg = amp_core.DynamicLossScale(init_scale=8.0)
+        >>> r = amp_core.check_and_update(cfg, amp_core.init(cfg), [jnp.array([jnp.nan])])
+        >>> bool(r.isfinite), float(r.next_state.loss_scale)
+        (False, 4.0)
+    """
+    check = check_grads(config, state, grads)
+    next_state = update(config, state, check.isfinite, check.global_norm)
+    return StepResult(check.multiplier, check.isfinite, check.global_norm, next_state)
+
+
+def select_if_finite(isfinite: jax.typing.ArrayLike, new_tree: Any, old_tree: Any) -> Any:
+    """Leaf-wise ``new if isfinite else old``, for small trees such as the scaler state.
+
+    For whole parameter and optimizer-state trees prefer :func:`with_loss_scaling` (a
+    ``lax.cond`` that skips the optimizer's work): a select reads and writes every leaf twice.
+
+    Raises:
+        ValueError: the two trees differ in structure.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> amp_core.select_if_finite(False, {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"]
+        Array([0., 0.], dtype=float32)
+    """
+    isfinite = _scalar("isfinite", isfinite, jnp.bool_)
+    new_def = jax.tree_util.tree_structure(new_tree)
+    old_def = jax.tree_util.tree_structure(old_tree)
+    if new_def != old_def:
+        raise ValueError(
+            f"select_if_finite needs new_tree and old_tree of the same structure; "
+            f"got {new_def} and {old_def}"
+        )
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(isfinite, n, o), new_tree, old_tree)
+
+
+def _scalar(name: str, value: Any, dtype: Any = jnp.float32) -> jax.Array:
+    array = jnp.asarray(value)
+    if array.shape != ():
+        raise ValueError(f"{name} must be a 0-d (scalar) array; got shape {array.shape}")
+    return array.astype(dtype)

@@ -1,0 +1,167 @@
+"""The loss-scaling state: a NamedTuple pytree of arrays, created by :func:`init`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from amp_core.config import LossScaleConfig
+
+COUNTER_DTYPE = jnp.int32
+"""Integer dtype of the step counters inside JAX (``state_dict`` returns Python ints)."""
+
+
+class LossScaleState(NamedTuple):
+    """Everything that changes from step to step. All leaves are arrays.
+
+    Attributes:
+        loss_scale: the current loss scale (float32, 0-d).
+        non_clamped_scale: the scale after the max clamp and before the min clamp of the last
+            update (float32, 0-d).
+        steps_since_rescale: updates since the scale last changed (int32, 0-d).
+        overflows_since_rescale: overflowed steps since the scale last changed (int32, 0-d).
+        num_skipped_steps: steps skipped for overflow in total (int32, 0-d).
+        isfinite: whether the last updated step was finite (bool, 0-d; ``True`` before any step).
+        global_norm: the global L2 norm of the last updated step's unscaled gradients
+            (float32, 0-d; ``0`` before any step or when it was not supplied).
+    """
+
+    loss_scale: jax.Array
+    non_clamped_scale: jax.Array
+    steps_since_rescale: jax.Array
+    overflows_since_rescale: jax.Array
+    num_skipped_steps: jax.Array
+    isfinite: jax.Array
+    global_norm: jax.Array
+
+
+def init(config: LossScaleConfig) -> LossScaleState:
+    """Creates the initial state for ``config`` (SPEC section 1).
+
+    Dynamic: ``loss_scale = min(max_loss_scale, init_scale)`` and zero counters. Static: the
+    static scale and zero counters.
+
+    Example:
+        >>> import amp_core
+        >>> state = amp_core.init(amp_core.DynamicLossScale(init_scale=2.0**20))
+        >>> float(state.loss_scale)  # clamped to the float16 max_loss_scale default
+        32768.0
+    """
+    if config.is_dynamic:
+        scale = min(config.max_loss_scale, config.init_scale)
+    else:
+        scale = config.loss_scale
+    scale_array = jnp.asarray(scale, jnp.float32)
+    zero = jnp.zeros((), COUNTER_DTYPE)
+    return LossScaleState(
+        loss_scale=scale_array,
+        non_clamped_scale=scale_array,
+        steps_since_rescale=zero,
+        overflows_since_rescale=zero,
+        num_skipped_steps=zero,
+        isfinite=jnp.asarray(True),
+        global_norm=jnp.zeros((), jnp.float32),
+    )
+
+
+_DYNAMIC_KEYS = (
+    "loss_scale",
+    "steps_since_rescale",
+    "overflows_since_rescale",
+    "num_skipped_steps",
+)
+_STATIC_KEYS = ("loss_scale",)
+
+
+def state_dict_keys(config: LossScaleConfig) -> tuple[str, ...]:
+    """The checkpoint keys of ``config``'s kind (SPEC section 9)."""
+    return _DYNAMIC_KEYS if config.is_dynamic else _STATIC_KEYS
+
+
+def to_state_dict(config: LossScaleConfig, state: LossScaleState) -> dict[str, float | int]:
+    """Returns the cstorch checkpoint dictionary as Python numbers (a host synchronisation).
+
+    Dynamic: ``loss_scale``, ``steps_since_rescale``, ``overflows_since_rescale`` and
+    ``num_skipped_steps``; static: ``loss_scale``.
+
+    Example:
+        >>> import amp_core
+        >>> cfg = amp_core.DynamicLossScale()
+        >>> amp_core.to_state_dict(cfg, amp_core.init(cfg))["loss_scale"]
+        32768.0
+    """
+    result: dict[str, float | int] = {"loss_scale": float(state.loss_scale)}
+    if config.is_dynamic:
+        result["steps_since_rescale"] = int(state.steps_since_rescale)
+        result["overflows_since_rescale"] = int(state.overflows_since_rescale)
+        result["num_skipped_steps"] = int(state.num_skipped_steps)
+    return result
+
+
+def from_state_dict(
+    config: LossScaleConfig, state: LossScaleState, state_dict: Mapping[str, Any]
+) -> LossScaleState:
+    """Loads the keys present in ``state_dict`` into ``state``; absent keys keep their values.
+
+    Values may be Python numbers, numpy or JAX scalars, or 0-d tensors. Loading ``loss_scale``
+    also sets the non-clamped scale to it.
+
+    Raises:
+        TypeError: ``state_dict`` is not a mapping, or a value is not a number.
+        ValueError: an unknown key, a non-positive or non-finite scale, or a negative or
+            fractional counter.
+
+    Example:
+        >>> import amp_core
+        >>> cfg = amp_core.DynamicLossScale()
+        >>> s = amp_core.from_state_dict(cfg, amp_core.init(cfg), {"loss_scale": 8.0})
+        >>> float(s.loss_scale), int(s.steps_since_rescale)
+        (8.0, 0)
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+    allowed = state_dict_keys(config)
+    unknown = sorted(set(state_dict) - set(allowed))
+    if unknown:
+        kind = "dynamic" if config.is_dynamic else "static"
+        raise ValueError(
+            f"state_dict has keys {unknown} that a {kind} loss scaler does not have; "
+            f"expected a subset of {list(allowed)}"
+        )
+    updates: dict[str, jax.Array] = {}
+    if "loss_scale" in state_dict:
+        scale = _checkpoint_scale(state_dict["loss_scale"])
+        updates["loss_scale"] = updates["non_clamped_scale"] = jnp.asarray(scale, jnp.float32)
+    for key in allowed[1:]:
+        if key in state_dict:
+            updates[key] = jnp.asarray(_checkpoint_count(key, state_dict[key]), COUNTER_DTYPE)
+    return state._replace(**updates)
+
+
+def _as_python_number(key: str, value: Any) -> float:
+    if isinstance(value, (bool, str, bytes)) or value is None:
+        raise TypeError(f"state_dict[{key!r}] must be a number; got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"state_dict[{key!r}] must be a number; got {value!r}") from err
+
+
+def _checkpoint_scale(value: Any) -> float:
+    number = _as_python_number("loss_scale", value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"state_dict['loss_scale'] must be positive and finite; got {value!r}")
+    return number
+
+
+def _checkpoint_count(key: str, value: Any) -> int:
+    number = _as_python_number(key, value)
+    if not (math.isfinite(number) and number >= 0 and number.is_integer()):
+        raise ValueError(f"state_dict[{key!r}] must be a non-negative integer; got {value!r}")
+    if number > jnp.iinfo(COUNTER_DTYPE).max:
+        raise ValueError(f"state_dict[{key!r}] = {value!r} does not fit in a 32-bit counter")
+    return int(number)
