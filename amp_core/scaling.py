@@ -24,7 +24,8 @@ class GradCheck(NamedTuple):
 
     Attributes:
         multiplier: what every gradient must be multiplied by: ``1 / loss_scale``, times the
-            clip coefficient when GCC is configured (float32, 0-d).
+            clip coefficient when GCC is configured and the gradients are finite (float32,
+            0-d, always finite).
         isfinite: whether the step may be applied (bool, 0-d; always ``True`` for static
             scaling, which never checks).
         global_norm: the global L2 norm of the unscaled, unclipped gradients (float32, 0-d).
@@ -45,6 +46,17 @@ def scale_loss(state: LossScaleState, loss: jax.typing.ArrayLike) -> jax.Array:
         4.0
     """
     return jnp.asarray(loss).astype(jnp.float32) * state.loss_scale
+
+
+def inverse_scale(state: LossScaleState) -> jax.Array:
+    """``1 / loss_scale`` in float32: what unscaling multiplies every gradient by.
+
+    Example:
+        >>> import amp_core
+        >>> float(amp_core.inverse_scale(amp_core.init(amp_core.StaticLossScale(loss_scale=4.0))))
+        0.25
+    """
+    return jnp.float32(1.0) / state.loss_scale
 
 
 def _float_leaves(grads: Any) -> list[jax.Array]:
@@ -92,7 +104,9 @@ def clip_coefficient(global_norm: jax.Array, max_gradient_norm: float) -> jax.Ar
     return jnp.minimum(coef, jnp.float32(1.0))
 
 
-def check_grads(config: LossScaleConfig, state: LossScaleState, grads: Any) -> GradCheck:
+def check_grads(
+    config: LossScaleConfig, state: LossScaleState, grads: Any, *, unscaled: bool = False
+) -> GradCheck:
     """Reads scaled gradients once: global norm, overflow flag and the multiplier to apply.
 
     This is the read-only half of :func:`unscale_and_check`: it never writes a gradient, so a
@@ -104,6 +118,8 @@ def check_grads(config: LossScaleConfig, state: LossScaleState, grads: Any) -> G
         config: the loss-scaling configuration.
         state: the current state (its ``loss_scale`` scaled these gradients).
         grads: any pytree; non-floating leaves and ``None`` are ignored.
+        unscaled: the gradients were already multiplied by ``1 / loss_scale`` (the torch
+            facade's explicit ``unscale_``); the multiplier is then only the clip coefficient.
 
     Returns:
         A :class:`GradCheck`.
@@ -115,14 +131,17 @@ def check_grads(config: LossScaleConfig, state: LossScaleState, grads: Any) -> G
         >>> float(check.global_norm), bool(check.isfinite), round(float(check.multiplier), 4)
         (5.0, True, 0.05)
     """
-    inv_scale = jnp.float32(1.0) / state.loss_scale
+    inv_scale = jnp.float32(1.0) if unscaled else inverse_scale(state)
     norm = global_norm_of_unscaled(grads, inv_scale)
     if not config.is_dynamic:
         return GradCheck(inv_scale, jnp.asarray(True), norm)
     isfinite = norm < jnp.float32(jnp.inf)
     multiplier = inv_scale
     if config.max_gradient_norm is not None:
-        multiplier = inv_scale * clip_coefficient(norm, config.max_gradient_norm)
+        # On overflow the step is skipped; keep the multiplier finite (no clipping) so that
+        # zeros stay zeros (a NaN norm would otherwise make every gradient NaN).
+        coef = clip_coefficient(norm, config.max_gradient_norm)
+        multiplier = inv_scale * jnp.where(isfinite, coef, jnp.float32(1.0))
     return GradCheck(multiplier, isfinite, norm)
 
 
@@ -252,8 +271,12 @@ class StepResult(NamedTuple):
     next_state: LossScaleState
 
 
-def check_and_update(config: LossScaleConfig, state: LossScaleState, grads: Any) -> StepResult:
+def check_and_update(
+    config: LossScaleConfig, state: LossScaleState, grads: Any, *, unscaled: bool = False
+) -> StepResult:
     """:func:`check_grads` and :func:`update` in one computation (one dispatch per step).
+
+    ``unscaled`` is passed on to :func:`check_grads`.
 
     Example:
         >>> import amp_core, jax.numpy as jnp
@@ -262,9 +285,28 @@ def check_and_update(config: LossScaleConfig, state: LossScaleState, grads: Any)
         >>> bool(r.isfinite), float(r.next_state.loss_scale)
         (False, 4.0)
     """
-    check = check_grads(config, state, grads)
+    check = check_grads(config, state, grads, unscaled=unscaled)
     next_state = update(config, state, check.isfinite, check.global_norm)
     return StepResult(check.multiplier, check.isfinite, check.global_norm, next_state)
+
+
+def fused_optimizer_args(check: GradCheck | StepResult) -> tuple[jax.Array, jax.Array]:
+    """``(grad_scale, found_inf)`` for optimizers with a fused unscale-and-skip kernel.
+
+    Fused torch optimizers (``Adam(fused=True)``, ...) divide every gradient by ``grad_scale``
+    and leave parameters and state untouched where ``found_inf`` is nonzero: handing them these
+    two float32 scalars replaces the gradient write pass and the host synchronisation.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> cfg = amp_core.DynamicLossScale(init_scale=8.0)
+        >>> check = amp_core.check_grads(cfg, amp_core.init(cfg), [jnp.array([jnp.inf])])
+        >>> [float(x) for x in amp_core.fused_optimizer_args(check)]
+        [8.0, 1.0]
+    """
+    grad_scale = jnp.float32(1.0) / check.multiplier
+    found_inf = jnp.logical_not(check.isfinite).astype(jnp.float32)
+    return grad_scale, found_inf
 
 
 def select_if_finite(isfinite: jax.typing.ArrayLike, new_tree: Any, old_tree: Any) -> Any:

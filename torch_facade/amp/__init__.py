@@ -1,0 +1,32 @@
+"""``cstorch.amp``: the documented Cerebras mixed-precision API over ordinary torch optimizers.
+
+Example:
+    >>> import torch_facade as cstorch
+    >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+"""
+
+from torch_facade.amp._amp_state import (
+    autocast,
+    enable_mixed_precision,
+    get_floating_point_dtype,
+    get_half_dtype,
+    get_half_dtype_str,
+    is_cbfloat16_tensor,
+    mixed_precision,
+    set_half_dtype,
+)
+from torch_facade.amp.grad_scaler import GradScaler
+from torch_facade.amp.optimizer_step import optimizer_step
+
+__all__ = [
+    "GradScaler",
+    "autocast",
+    "enable_mixed_precision",
+    "get_floating_point_dtype",
+    "get_half_dtype",
+    "get_half_dtype_str",
+    "is_cbfloat16_tensor",
+    "mixed_precision",
+    "optimizer_step",
+    "set_half_dtype",
+]
