@@ -135,6 +135,8 @@ def plot_records(records: Sequence[RunRecord], path: str | Path, title: str | No
 
     Top: loss per step of every record (log y), skipped steps marked with red crosses.
     Bottom: loss scale per step of the scaled records (log2 y), skipped steps marked.
+    When the records come from several paths, the first path is drawn wide and pale and the
+    later ones thin, with red pluses for their skipped steps, so that coinciding curves show.
 
     Args:
         records: the runs to plot.
@@ -155,27 +157,35 @@ def plot_records(records: Sequence[RunRecord], path: str | Path, title: str | No
         2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     skip_label = "skipped step (float16 overflow)"
+    # With several paths, the first path's lines are wide and pale and its skips are crosses,
+    # later paths' lines thin and their skips pluses: curves that coincide stay visible.
+    paths = list(dict.fromkeys(record.path for record in records))
     for record in records:
         steps = np.arange(record.steps)
-        style = {"lw": 1.2} if record.is_scaled else {"lw": 1.2, "ls": "--"}
+        first = paths.index(record.path) == 0
+        wide = {"lw": 3.0, "alpha": 0.5} if first and len(paths) > 1 else {}
+        marker = "x" if first else "+"
+        style = {"lw": 1.2, **wide} if record.is_scaled else {"lw": 1.2, "ls": "--", **wide}
         ax_loss.plot(steps, record.losses, label=record.name, **style)
         if record.overflow.any():
             finite_losses = np.where(np.isfinite(record.losses), record.losses, np.nan)
             ax_loss.plot(
                 steps[record.overflow],
                 finite_losses[record.overflow],
-                "x",
+                marker,
                 color="red",
                 ms=7,
                 mew=1.8,
                 label=f"{record.name}: {skip_label}",
             )
         if record.is_scaled:
-            ax_scale.step(steps, record.scales, where="post", lw=1.5, label=record.name)
+            ax_scale.step(
+                steps, record.scales, where="post", label=record.name, **{"lw": 1.5, **wide}
+            )
             ax_scale.plot(
                 steps[record.overflow],
                 record.scales[record.overflow],
-                "x",
+                marker,
                 color="red",
                 ms=8,
                 mew=2,

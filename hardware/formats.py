@@ -230,6 +230,29 @@ class FloatFormat:
         """
         return _round_straight_through(self, _as_float32(x))
 
+    def cast(self, x: jax.typing.ArrayLike) -> jax.Array:
+        """Casts to this format like ``astype`` casts to a real dtype: in both directions.
+
+        The value is :meth:`round`-ed, and in the backward pass the incoming gradient is
+        rounded to the format too, as JAX does for a real dtype (the transpose of a cast is a
+        cast). This is what an emulated *compute* dtype needs: the backward pass then computes
+        on the format's grid, so gradients overflow and underflow as they would in hardware,
+        which is what loss scaling is about. :class:`hardware.Policy` casts with it.
+
+        Args:
+            x: values to cast (converted to float32).
+
+        Returns:
+            A float32 array on this format's grid.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> grad = jax.grad(lambda x: jnp.sum(CBFLOAT16.cast(x) * 1e10))(jnp.ones(2))
+            >>> grad.tolist()  # 1e10 overflows cbfloat16 on the way back
+            [inf, inf]
+        """
+        return _cast_both_ways(self, _as_float32(x))
+
     def encode(self, x: jax.typing.ArrayLike) -> jax.Array:
         """Rounds float32 values (as :meth:`round`) and returns their bit patterns.
 
@@ -296,6 +319,22 @@ def _round_straight_through_jvp(
 ) -> tuple[jax.Array, jax.Array]:
     (x,), (x_dot,) = primals, tangents
     return _round_straight_through(fmt, x), x_dot
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cast_both_ways(fmt: FloatFormat, x: jax.Array) -> jax.Array:
+    return _decode(fmt, _encode(fmt, x))
+
+
+def _cast_both_ways_fwd(fmt: FloatFormat, x: jax.Array) -> tuple[jax.Array, None]:
+    return _cast_both_ways(fmt, x), None
+
+
+def _cast_both_ways_bwd(fmt: FloatFormat, _: None, gradient: jax.Array) -> tuple[jax.Array]:
+    return (_decode(fmt, _encode(fmt, _as_float32(gradient))),)
+
+
+_cast_both_ways.defvjp(_cast_both_ways_fwd, _cast_both_ways_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -3,7 +3,8 @@
 A dtype in a policy is either a real JAX dtype (float32, float16, bfloat16, float64), to which
 floating leaves are cast with ``astype``, or an emulated :class:`~hardware.formats.FloatFormat`
 (cbfloat16, float8), for which floating leaves become float32 arrays rounded to the format's grid
-with :meth:`FloatFormat.round`. Rounding happens at every cast and nowhere else: a model that
+with :meth:`FloatFormat.cast` (values on the way forward, gradients on the way back, as for a
+real dtype). Rounding happens at every cast and nowhere else: a model that
 computes in an emulated format calls ``policy.cast_to_compute`` on each result it wants on the
 grid (typically every layer's output), just as the hardware rounds each operation's output.
 """
@@ -159,8 +160,9 @@ def dtype_name(dtype: PolicyDType) -> str:
 def cast_tree(tree: Any, dtype: PolicyDType) -> Any:
     """Casts the floating array leaves of ``tree`` to ``dtype``; other leaves pass through.
 
-    For an emulated format the leaves become float32 arrays rounded to its grid (with a
-    straight-through gradient, see :meth:`FloatFormat.round`).
+    For an emulated format the leaves become float32 arrays rounded to its grid, and their
+    gradients are rounded to it in the backward pass (:meth:`FloatFormat.cast`), as JAX does
+    for a cast to a real dtype.
 
     Args:
         tree: any pytree.
@@ -184,7 +186,7 @@ def _cast_leaf(leaf: Any, dtype: PolicyDType) -> Any:
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
         return leaf
     if isinstance(dtype, FloatFormat):
-        return dtype.round(leaf)
+        return dtype.cast(leaf)
     return jnp.asarray(leaf).astype(dtype)
 
 

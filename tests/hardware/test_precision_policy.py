@@ -198,3 +198,13 @@ def test_bfloat16_policy_computes_in_real_bfloat16() -> None:
     out, activations = _forward(policy, params, jnp.ones((4, 8)))
     assert all(a.dtype == BF16 for a in activations)
     assert out.dtype == F32
+
+
+def test_emulated_compute_cast_rounds_gradients_like_a_real_cast() -> None:
+    """A cast's transpose is a cast (as for astype to a real dtype): gradients get rounded."""
+    upstream = jnp.array([1 + 2**-10, 1e10, 2.0**-40, 3.0])
+    policy = get_policy("params=float32,compute=cbfloat16,output=float32")
+    _, vjp = jax.vjp(policy.cast_to_compute, jnp.ones(4))
+    (grad,) = vjp(upstream)
+    # hand-checked: tie to even, overflow to inf, underflow to zero, exact
+    assert grad.tolist() == [1.0, float("inf"), 0.0, 3.0]

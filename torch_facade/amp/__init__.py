@@ -15,12 +15,15 @@ from torch_facade.amp._amp_state import (
     mixed_precision,
     set_half_dtype,
 )
+from torch_facade.amp.cbfloat16 import cast_to_cbfloat16, cbfloat16_numerics, round_to_cbfloat16
 from torch_facade.amp.grad_scaler import GradScaler
 from torch_facade.amp.optimizer_step import optimizer_step
 
 __all__ = [
     "GradScaler",
     "autocast",
+    "cast_to_cbfloat16",
+    "cbfloat16_numerics",
     "enable_mixed_precision",
     "get_floating_point_dtype",
     "get_half_dtype",
@@ -28,5 +31,6 @@ __all__ = [
     "is_cbfloat16_tensor",
     "mixed_precision",
     "optimizer_step",
+    "round_to_cbfloat16",
     "set_half_dtype",
 ]

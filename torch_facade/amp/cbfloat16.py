@@ -1,0 +1,343 @@
+"""cbfloat16 numerics for torch models: exact rounding to the cbfloat16 grid, and a context
+manager that runs a model with cbfloat16 weights and activations.
+
+**The proxy dtype.** torch has no cbfloat16 dtype. ``cstorch.amp.set_half_dtype("cbfloat16")``
+therefore returns ``torch.float16`` as a *proxy* (SPEC section 6): on Cerebras hardware the
+compiler turns float16 tensors into cbfloat16, so a model written against the proxy runs there
+unchanged. Off that hardware the proxy is just float16: a model cast to it computes with float16
+numerics (5 exponent bits, 10 mantissa bits, overflow above 65504), **not** cbfloat16 numerics
+(6 exponent bits, 9 mantissa bits, range up to about ``2**32``). ``is_cbfloat16_tensor`` only
+reports that a float16 tensor stands for cbfloat16 under the current settings.
+
+**Real cbfloat16 rounding.** Every cbfloat16 value is exactly representable in float32, so a
+float32 tensor whose elements all lie on the cbfloat16 grid *is* a cbfloat16 tensor: float32 is
+the exact container (float16 is not: cbfloat16 reaches ``(2 - 2**-9) * 2**31``, and 65504, the
+largest float16, itself rounds to ``2**16``). This module rounds in that container:
+
+* :func:`round_to_cbfloat16` rounds a tensor with ``hardware``'s bit-exact rounding
+  (``hardware.get_format("cbfloat16").round``, jitted): the tensor crosses to JAX and back
+  through DLPack (zero-copy for contiguous, 64-byte-aligned float32 tensors, otherwise one
+  copy), so nothing about the format is computed twice in two frameworks. The gradient is
+  straight-through.
+* :func:`cast_to_cbfloat16` is a cast in both directions: it also rounds the gradient flowing
+  back through it, as autograd does for a cast to a real dtype.
+* :func:`cbfloat16_numerics` runs a float32 model with every parameter seen by ``forward`` as
+  cast to cbfloat16 (the float32 master weights stay untouched and receive the rounded
+  gradients) and every module's floating outputs, and the model's inputs, cast; so the backward
+  pass computes on the cbfloat16 grid too, and gradients overflow as they would in hardware.
+
+The format is the project's model of cbfloat16 (SPEC section 7): 1 sign, 6 exponent, 9 mantissa
+bits, bias 31, top exponent for inf/NaN, subnormals down to ``2**-39``, round-to-nearest-even,
+overflow to inf.
+
+Example:
+    >>> import torch, torch_facade as cstorch
+    >>> cstorch.amp.set_half_dtype("cbfloat16")  # a proxy: computing in it is float16 numerics
+    torch.float16
+    >>> x = torch.tensor([1 + 2**-10, 65504.0, 2.0**-39, 2.0**-40, 1e10])
+    >>> cstorch.amp.round_to_cbfloat16(x).tolist() == [1.0, 2.0**16, 2.0**-39, 0.0, float("inf")]
+    True
+    >>> cstorch.amp.round_to_cbfloat16(x.half()).dtype  # float32 is the exact container
+    torch.float32
+    >>> _ = cstorch.amp.set_half_dtype("float16"); cstorch.amp.enable_mixed_precision(False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import torch
+from torch.nn.utils import parametrize
+
+from hardware import get_format, jax_device_for
+from torch_facade.amp import _bridge
+
+__all__ = ["cast_to_cbfloat16", "cbfloat16_numerics", "round_to_cbfloat16"]
+
+_EXACT_DTYPES = (torch.float32, torch.float64)
+"""Dtypes that hold every cbfloat16 value exactly."""
+
+_ALIGNMENT = 64
+"""DLPack imports into JAX are zero-copy only for buffers aligned to this many bytes."""
+
+
+@functools.cache
+def _jitted_round() -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(get_format("cbfloat16").round)
+
+
+def _jax_can_read(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    try:
+        jax_device_for(device)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _round_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The rounded values of ``tensor`` as a new float32 tensor on its device (no autograd)."""
+    source = tensor.detach()
+    device = source.device
+    if not _jax_can_read(device):
+        # e.g. a CUDA tensor with a CPU-only jaxlib: round on the CPU, then move back.
+        return _round_values(source.cpu()).to(device)
+    source = source.to(torch.float32).contiguous()
+    if source.data_ptr() % _ALIGNMENT:
+        source = source.clone()  # a fresh allocation is aligned: JAX reads it without a copy
+    return _bridge.to_torch(_jitted_round()(_bridge.to_jax(source)))
+
+
+def _check_floating_tensor(value: Any, argument: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{argument} must be a torch.Tensor; got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(
+            f"{argument} must be a floating-point tensor (float16, bfloat16, float32 or "
+            f"float64); got dtype {value.dtype}"
+        )
+    return value
+
+
+class _RoundToCbfloat16(torch.autograd.Function):
+    """Rounding with a straight-through gradient (the derivative is taken to be 1)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.input_dtype = tensor.dtype
+        out_dtype = torch.promote_types(tensor.dtype, torch.float32)
+        return _round_values(tensor).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.to(ctx.input_dtype)
+
+
+class _CastToCbfloat16(_RoundToCbfloat16):
+    """A cast: rounds the values, and rounds the incoming gradient in the backward pass."""
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return _round_values(grad_output).to(ctx.input_dtype)
+
+
+def cast_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
+    """Casts a floating tensor to cbfloat16 (in float32) in both directions, like ``.to(dtype)``.
+
+    The values are those of :func:`round_to_cbfloat16`; in the backward pass the incoming
+    gradient is rounded to cbfloat16 as well, as autograd does for a cast to a real dtype, so
+    the backward pass computes on the cbfloat16 grid too (gradients overflow above about
+    ``2**32`` and underflow below ``2**-39``: what loss scaling is for). This is what
+    :func:`cbfloat16_numerics` applies to weights and activations; it matches
+    ``hardware.get_format("cbfloat16").cast`` on the JAX side.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or not of a floating-point dtype.
+
+    Example:
+        >>> import torch, torch_facade as cstorch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> (cstorch.amp.cast_to_cbfloat16(x) * 1e10).sum().backward(); x.grad
+        tensor([inf, inf])
+    """
+    return _CastToCbfloat16.apply(_check_floating_tensor(tensor, "tensor"))
+
+
+def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
+    """Rounds a floating tensor to the nearest cbfloat16 values, bit-exactly.
+
+    The values are those of ``hardware.get_format("cbfloat16").round`` (round-to-nearest-even,
+    subnormals kept, overflow to inf, NaN stays NaN, the sign of zero kept), computed by that
+    jitted JAX function on the tensor's device; the tensor crosses through DLPack.
+
+    Result dtype: ``torch.promote_types(tensor.dtype, torch.float32)``. A float32 input gives
+    float32, the exact container of cbfloat16. float16 and bfloat16 inputs (for example the
+    float16 proxy of ``set_half_dtype("cbfloat16")``) also give float32, because cbfloat16 values
+    need not fit them (65504 rounds to ``2**16``, beyond float16). float64 inputs give float64;
+    they are converted to float32 first, so they are rounded twice (as ``hardware`` does).
+
+    Gradient: straight-through. The incoming gradient passes unchanged (cast to the input's
+    dtype), also where a value overflowed to inf or underflowed to zero, as in
+    quantisation-aware training.
+
+    Args:
+        tensor: a floating-point tensor of any shape, on the CPU (or on a GPU that torch and
+            JAX share; other devices are rounded through a CPU copy).
+
+    Returns:
+        A new tensor of ``tensor``'s shape and device whose elements lie on the cbfloat16 grid.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or not of a floating-point dtype.
+
+    Example:
+        >>> import torch, torch_facade as cstorch
+        >>> x = torch.tensor([1 + 2**-10, 1 + 3 * 2**-10, 2.0**-40, -0.0], requires_grad=True)
+        >>> y = cstorch.amp.round_to_cbfloat16(x)
+        >>> y.tolist() == [1.0, 1 + 2**-8, 0.0, -0.0]
+        True
+        >>> y.sum().backward(); x.grad
+        tensor([1., 1., 1., 1.])
+    """
+    return _RoundToCbfloat16.apply(_check_floating_tensor(tensor, "tensor"))
+
+
+class _RoundParametrization(torch.nn.Module):
+    """The parametrization :func:`cbfloat16_numerics` registers: the effective tensor is the
+    rounded original."""
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        return cast_to_cbfloat16(tensor)
+
+
+def _round_tree(value: Any) -> Any:
+    """Rounds every float32/float64 tensor in nested tuples, lists and dicts; keeps the rest."""
+    if isinstance(value, torch.Tensor):
+        return cast_to_cbfloat16(value) if value.dtype in _EXACT_DTYPES else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_round_tree(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_round_tree(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _round_tree(v)) for k, v in value.items())
+    return value
+
+
+def _round_inputs_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict) -> Any:
+    return _round_tree(args), _round_tree(kwargs)
+
+
+def _round_outputs_hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    return _round_tree(output)
+
+
+def _model_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules, without the internals of existing parametrizations (the
+    ``parametrizations`` containers and what they hold)."""
+    internal: set[int] = set()
+    for owner in module.modules():
+        if parametrize.is_parametrized(owner):
+            internal.update(id(m) for m in owner.parametrizations.modules())
+    return [m for m in module.modules() if id(m) not in internal]
+
+
+def _parametrized_tensors(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str]]:
+    """``(owner, name)`` of every parameter of ``modules`` (an existing parametrization counts
+    as its owner's), each owner once per name: a parameter shared by two modules is
+    parametrized in both."""
+    found = []
+    for owner in modules:
+        names = [name for name, p in owner._parameters.items() if p is not None]
+        if parametrize.is_parametrized(owner):
+            names += [n for n in owner.parametrizations if n not in names]
+        found.extend((owner, name) for name in names)
+    return found
+
+
+def _check_dtypes(targets: list[tuple[torch.nn.Module, str]]) -> None:
+    for owner, name in targets:
+        dtype = getattr(owner, name).dtype
+        if dtype not in _EXACT_DTYPES:
+            raise ValueError(
+                f"cbfloat16_numerics needs float32 (or float64) parameters, the containers "
+                f"that hold cbfloat16 exactly; {type(owner).__name__}.{name} is {dtype}. Keep "
+                f"the model in float32 (not in the float16 proxy of set_half_dtype"
+                f"('cbfloat16'), which computes with float16 numerics)"
+            )
+
+
+def _remove_rounding(owner: torch.nn.Module, name: str, rounding: torch.nn.Module) -> None:
+    """Removes ``rounding`` from ``owner``'s parametrizations of ``name``, keeping any other."""
+    chain = owner.parametrizations[name]
+    if len(chain) == 1:
+        parametrize.remove_parametrizations(owner, name, leave_parametrized=False)
+        return
+    index = next(i for i, p in enumerate(chain) if p is rounding)
+    del chain[index]
+
+
+def _restore_order(owner: torch.nn.Module, names: list[str]) -> None:
+    """Puts ``owner``'s parameters back in the order ``names`` (state-dict keys included)."""
+    for name in names:
+        if name in owner._parameters:
+            owner._parameters[name] = owner._parameters.pop(name)
+
+
+@contextlib.contextmanager
+def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Runs ``module`` with cbfloat16 weights and activations while the context is active.
+
+    On entry:
+
+    * every parameter of ``module`` and of its submodules gets a parametrization
+      (``torch.nn.utils.parametrize``) that rounds it to cbfloat16 with
+      :func:`cast_to_cbfloat16`: ``forward`` sees the rounded weights, the float32 master
+      weights stay as they are and get gradients rounded to cbfloat16, so an optimizer built
+      before the context keeps stepping the same ``Parameter`` objects;
+    * every module (containers and leaves) gets a forward hook that rounds its float32/float64
+      outputs (in nested tuples, lists and dicts too), and ``module`` a pre-hook that rounds the
+      float32/float64 tensors among its inputs.
+
+    So every weight and every activation passed between modules is a cbfloat16 value held in
+    float32, while each operation computes in float32 (as a matmul accumulating in float32 and
+    storing cbfloat16). Results of functional calls inside a ``forward`` (``torch.tanh(x)``, a
+    residual addition) are rounded when the module that made them returns. In the backward
+    pass, the gradient reaching each of these casts is rounded too (a cast's transpose is a
+    cast), so overflows of the backward pass show, as with a real half dtype. Buffers (e.g. BatchNorm statistics) are not rounded. While active,
+    ``module.state_dict()`` has parametrization keys (``...parametrizations.weight.original``)
+    and ``module.modules()`` lists the parametrization modules too.
+
+    On exit (also on an exception) every parametrization and hook added is removed: the
+    modules have their original classes, parameters and state-dict keys again, and the
+    parameters are bit-identical to before unless an optimizer stepped them. Parametrizations
+    that were there before are kept (the rounding was appended to them and is removed alone).
+
+    This does not depend on the half dtype setting; it is how to see cbfloat16 numerics after
+    ``set_half_dtype("cbfloat16")``, whose ``torch.float16`` proxy computes in float16.
+
+    Args:
+        module: the model, with float32 (or float64) parameters.
+
+    Yields:
+        ``module`` itself.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``.
+        ValueError: a parameter is not float32 or float64 (e.g. a model cast to the float16
+            proxy): those dtypes cannot hold cbfloat16 exactly.
+
+    Example:
+        >>> import torch, torch_facade as cstorch
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.copy_(torch.tensor([[1 + 2**-12, 3.0]]))
+        >>> with cstorch.amp.cbfloat16_numerics(model):
+        ...     print(model.weight.tolist(), model(torch.ones(1, 2)).item())
+        [[1.0, 3.0]] 4.0
+        >>> print(model.weight.tolist(), model(torch.ones(1, 2)).item())  # master weight kept
+        [[1.000244140625, 3.0]] 4.000244140625
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    hooked = _model_modules(module)
+    targets = _parametrized_tensors(hooked)
+    _check_dtypes(targets)
+    with contextlib.ExitStack() as undo:
+        handle = module.register_forward_pre_hook(_round_inputs_hook, with_kwargs=True)
+        undo.callback(handle.remove)
+        for submodule in hooked:
+            handle = submodule.register_forward_hook(_round_outputs_hook)
+            undo.callback(handle.remove)
+        for owner in {id(owner): owner for owner, _ in targets}.values():
+            # Runs last: removing a parametrization re-registers the parameter at the end.
+            undo.callback(_restore_order, owner, list(owner._parameters))
+        for owner, name in targets:
+            rounding = _RoundParametrization()
+            parametrize.register_parametrization(owner, name, rounding)
+            undo.callback(_remove_rounding, owner, name, rounding)
+        yield module
