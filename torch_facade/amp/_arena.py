@@ -6,9 +6,13 @@ dtype and installs a view of it as every parameter's ``.grad``. Backward then ac
 views in place, and the whole gradient set reaches JAX as a few zero-copy arrays.
 
 When a user drops the views (``zero_grad(set_to_none=True)``, the torch default) or replaces a
-``.grad``, :meth:`GradientArena.sync` copies the new gradient into its slot and reinstalls the
-view: slower by one copy, never wrong. A parameter whose ``.grad`` is ``None`` keeps ``None``
-(optimizers skip it) and its slot is zeroed so that it adds nothing to the global norm.
+``.grad``, :meth:`GradientArena.sync` copies the new gradient into its slot and moves that
+gradient tensor's storage into the arena (``Tensor.set_``): the tensor object stays ``.grad``,
+so every reference a user holds to it sees what the optimizer sees. Slower by one copy, never
+wrong. A parameter whose ``.grad`` is ``None`` keeps ``None`` (optimizers skip it) and its slot
+is zeroed so that it adds nothing to the global norm. Slots have their parameter's strides
+(fused optimizer kernels assume it), and a parameter that changes dtype, device or shape
+(``module.to(...)``) makes the scaler build a new arena.
 """
 
 from __future__ import annotations
@@ -24,8 +28,18 @@ _ALIGN_BYTES = 64  # DLPack is zero-copy into XLA only for 64-byte-aligned buffe
 @dataclasses.dataclass
 class _Slot:
     param: torch.Tensor
-    view: torch.Tensor
+    memory: torch.Tensor  # the arena's own view of the slot; never handed out
+    view: torch.Tensor  # the tensor installed as ``param.grad`` (its storage is ``memory``)
     live: bool  # the slot holds a gradient (else it is known to be all zeros)
+
+    def holds_grad(self) -> bool:
+        """Whether ``param.grad`` is the installed tensor and still lives in the slot.
+
+        ``grad.data = other`` (which ``module.to(...)`` does) keeps the object but moves its
+        storage out of the arena; the address check catches that.
+        """
+        grad = self.param.grad
+        return grad is self.view and grad.data_ptr() == self.memory.data_ptr()
 
 
 @dataclasses.dataclass
@@ -43,6 +57,16 @@ def _aligned_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     storage = torch.zeros(numel + pad, dtype=dtype, device=device)
     offset = (-storage.data_ptr() % _ALIGN_BYTES) // itemsize
     return storage[offset : offset + numel]
+
+
+def _slot_view(slot: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``slot`` shaped as the gradient torch's autograd would create for ``param``.
+
+    That is ``param``'s own strides when it is dense (a transposed or channels-last weight),
+    else contiguous. Fused optimizer kernels assume that a gradient has its parameter's strides.
+    """
+    strides = torch.empty_like(param, device="meta").stride()
+    return slot.as_strided(param.shape, strides)
 
 
 def _padded(numel: int, itemsize: int) -> int:
@@ -88,37 +112,60 @@ class GradientArena:
             start = 0
             for index, param in entries:
                 numel = param.numel()
-                view = flat[start : start + numel].view(param.shape)
+                memory = _slot_view(flat[start : start + numel], param)
                 lo, _ = ranges.get(index, (start, start))
                 start += _padded(numel, itemsize)
                 ranges[index] = (lo, start)
-                self.slots.append(_Slot(param, view, live=False))
+                self.slots.append(_Slot(param, memory, memory, live=False))
                 self._adopt(self.slots[-1])
             self.groups.append(_Group(device, dtype, flat, ranges))
 
     @staticmethod
-    def _adopt(slot: _Slot) -> None:
+    def _adopt(slot: _Slot) -> bool:
+        """Copies ``param.grad`` into the slot and makes it live there.
+
+        Returns:
+            ``False`` if the gradient no longer fits the slot: the parameter changed dtype,
+            device or shape since the arena was built (``module.to(...)``).
+        """
         grad = slot.param.grad
-        if grad is slot.view:
-            return
         if grad is None:
             if slot.live:
-                slot.view.zero_()
+                slot.memory.zero_()
                 slot.live = False
-            return
+            return True
         if grad.is_sparse:
             raise TypeError("GradScaler does not support sparse gradients")
-        slot.view.copy_(grad)
-        slot.param.grad = slot.view
+        memory = slot.memory
+        if (grad.dtype, grad.shape, grad.device) != (memory.dtype, memory.shape, memory.device):
+            return False
+        if grad.data_ptr() != memory.data_ptr() or grad.stride() != memory.stride():
+            memory.copy_(grad)
+        if grad.requires_grad:  # a gradient with a history (create_graph=True): replace it
+            slot.param.grad = slot.view = memory
+        else:
+            # Move the gradient tensor itself into the arena rather than replacing it, so that
+            # every reference to it (a user's list of grads) sees the in-place unscaling and
+            # clipping, and in-place changes made through such a reference reach the optimizer.
+            with torch.no_grad():
+                grad.set_(memory)
+            slot.view = grad
         slot.live = True
+        return True
 
-    def sync(self) -> None:
-        """Makes every non-``None`` gradient a view of the arena, copying fresh ones in."""
+    def sync(self) -> bool:
+        """Makes every non-``None`` gradient live in the arena, copying fresh ones in.
+
+        Returns:
+            ``False`` if a parameter changed dtype, device or shape since the arena was built:
+            the arena must then be rebuilt.
+        """
         for slot in self.slots:
-            if slot.param.grad is not slot.view:
-                self._adopt(slot)
-            else:
+            if slot.holds_grad():
                 slot.live = True
+            elif not self._adopt(slot):
+                return False
+        return True
 
     def flats(self) -> tuple[torch.Tensor, ...]:
         """The flat buffers, one per (device, dtype) group."""

@@ -402,19 +402,19 @@ class GradScaler:
 
     def _prepare_arena(self) -> GradientArena:
         key = tuple((id(o), tuple(map(id, _params(o)))) for o in self._optimizers)
-        if key != self._arena_key:
-            self._arena = GradientArena([_params(o) for o in self._optimizers])
-            devices = {group.device for group in self._arena.groups}
+        arena = self._arena
+        if arena is None or key != self._arena_key or not arena.sync():
+            # New parameters, or parameters that changed dtype, device or shape (module.to()).
+            arena = GradientArena([_params(o) for o in self._optimizers])
+            devices = {group.device for group in arena.groups}
             if len(devices) > 1:
                 raise ValueError(
                     f"GradScaler needs all parameters on one device; got {sorted(map(str, devices))}"
                 )
             if devices:
                 self._set_state(_bridge.place_state(self._state, devices.pop()))
-            self._arena_key = key
-        assert self._arena is not None
-        self._arena.sync()
-        return self._arena
+            self._arena, self._arena_key = arena, key
+        return arena
 
     def _apply(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         if self._dynamic:

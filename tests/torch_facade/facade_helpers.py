@@ -1,0 +1,114 @@
+"""Shared pieces of the torch facade tests: a tiny model, its data, and deep comparisons.
+
+The oracle of most tests is a plain torch run without any loss scaling: with loss scales that
+are powers of two, scaling and unscaling are exact, so a facade run must reproduce it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+INF = float("inf")
+NAN = float("nan")
+
+# One DLS configuration shared by most tests, so the jitted core compiles once per gradient
+# structure for the whole suite. A power of two: scaling is exact.
+DLS = {"loss_scale": "dynamic", "init_scale": 2.0**8}
+
+
+class TinyNet(torch.nn.Module):
+    """Two linear layers and one parameter set that the forward pass never uses."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.fc1 = torch.nn.Linear(4, 3)
+        self.fc2 = torch.nn.Linear(3, 2)
+        self.unused = torch.nn.Linear(2, 2)  # its grads stay None
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic (input, target) pair for ``step``."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(5, 4, generator=generator)
+    y = torch.randn(5, 2, generator=generator)
+    return x.to(dtype), y.to(dtype)
+
+
+def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+    """The mean squared error of ``model`` on ``batch(step)`` (in the model's dtype)."""
+    dtype = next(model.parameters()).dtype
+    x, y = batch(step, dtype)
+    return (model(x) - y).square().mean()
+
+
+def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """One training step without any loss scaling: the oracle."""
+    optimizer.zero_grad()
+    loss_of(model, step).backward()
+    optimizer.step()
+
+
+def parameters_of(*models: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for model in models for p in model.parameters()]
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``tensor`` (so that NaN equals NaN and -0.0 differs from 0.0)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def assert_tensors_equal(expected: Iterable[torch.Tensor], actual: Iterable[torch.Tensor]) -> None:
+    """Bit-identical (same dtype, same values; NaN only where NaN)."""
+    expected, actual = list(expected), list(actual)
+    assert len(expected) == len(actual)
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        assert e.dtype == a.dtype, f"tensor {i}: dtype {a.dtype} != {e.dtype}"
+        assert e.shape == a.shape, f"tensor {i}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+        assert torch.equal(bits(e), bits(a)), f"tensor {i} differs: {a} != {e}"
+
+
+def deep_equal(a: Any, b: Any) -> bool:
+    """Structural equality of nested containers, tensors compared bit for bit (dtype included)."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and list(a.keys()) == list(b.keys())
+            and all(deep_equal(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(deep_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(bits(a), bits(b))
+        )
+    return type(a) is type(b) and a == b
+
+
+def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A deep copy of ``optimizer.state_dict()``: later steps cannot change it."""
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def state_tensor_count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        isinstance(v, torch.Tensor) for state in optimizer.state.values() for v in state.values()
+    )
