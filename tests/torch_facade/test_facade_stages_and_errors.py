@@ -348,3 +348,18 @@ def test_half_dtype_helpers_reject_wrong_types():
     with pytest.raises(ValueError, match="cbfloat16"):
         with cstorch.amp.autocast("half"):
             pass
+
+
+def test_update_without_a_step_since_the_last_update_raises() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+    with pytest.raises(RuntimeError, match="without a step"):
+        scaler.update()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    steps = int(scaler.state_dict()["steps_since_rescale"])
+    with pytest.raises(RuntimeError, match="without a step"):
+        scaler.update()
+    assert int(scaler.state_dict()["steps_since_rescale"]) == steps

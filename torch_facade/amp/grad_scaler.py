@@ -360,15 +360,17 @@ class GradScaler:
 
         Raises:
             ValueError: ``new_scale`` is given (not supported).
-            RuntimeError: DLS and no optimizer has been seen yet.
+            RuntimeError: DLS, and nothing was unscaled or stepped since the last ``update()``
+                (there is no overflow check to update from; torch's scaler raises here too).
         """
         if new_scale is not None and not (isinstance(new_scale, numbers.Number) and not new_scale):
             raise ValueError("GradScaler.update() does not support providing a `new_scale`")
         if self._dynamic:
-            if not self._optimizers:
+            idle = all(stage is _Stage.READY for stage in self._stages.values())
+            if self._decision is None and idle:
                 raise RuntimeError(
-                    "update() was called before any optimizer was passed to this GradScaler "
-                    "(call step(optimizer) first)"
+                    "update() was called without a step() or unscale_() since the last "
+                    "update(): there is no overflow check to update the loss scale from"
                 )
             self.update_scale(self._optimizers)
         self._decision = None
