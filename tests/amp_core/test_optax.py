@@ -1,0 +1,391 @@
+"""The optax wrapper (:func:`amp_core.with_loss_scaling`) and :func:`amp_core.value_and_grad`.
+
+Oracles: the same optax optimizer run on the unscaled loss, and bit patterns of the parameters
+and optimizer state from before an overflowed step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import amp_core
+
+# optax's adamw computes ``decay ** count`` (a float to an int32 power), which strict dtype
+# promotion rejects; see tests/conftest.py.
+DTYPE_PROMOTION = "standard"
+
+LEARNING_RATE = 1e-2
+RNG = np.random.default_rng(0)
+X = jnp.asarray(RNG.standard_normal((16, 4)), jnp.float32)
+Y = jnp.asarray(RNG.standard_normal((16, 2)), jnp.float32)
+
+
+def init_params() -> dict:
+    rng = np.random.default_rng(1)
+    return {
+        "w1": jnp.asarray(rng.standard_normal((4, 8)) * 0.5, jnp.float32),
+        "b1": jnp.zeros((8,), jnp.float32),
+        "w2": jnp.asarray(rng.standard_normal((8, 2)) * 0.5, jnp.float32),
+    }
+
+
+def loss_fn(params, x=X, y=Y):
+    hidden = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] - y) ** 2)
+
+
+def bits(tree) -> list[bytes]:
+    """The exact bit pattern of every leaf (so -0.0 != 0.0 and NaN payloads count)."""
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def assert_trees_close(actual, expected, rtol: float):
+    """Leaf-wise closeness, with an absolute tolerance of ``rtol`` times the leaf's largest value.
+
+    Small elements of a moment estimate suffer cancellation, so a pure relative bound is too tight.
+    """
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+    for ours, theirs in zip(
+        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
+    ):
+        theirs = np.asarray(theirs)
+        atol = rtol * float(np.max(np.abs(theirs), initial=0.0))
+        np.testing.assert_allclose(np.asarray(ours), theirs, rtol=rtol, atol=atol)
+
+
+def make_scaled_step(tx, loss=loss_fn):
+    """A jitted train step that differentiates the scaled loss and applies ``tx``."""
+
+    @jax.jit
+    def step(params, opt_state, poison):
+        scaler = amp_core.loss_scale_state(opt_state)
+        grads = jax.grad(lambda p: amp_core.scale_loss(scaler, loss(p)))(params)
+        grads = jax.tree_util.tree_map(lambda g: g * poison.astype(g.dtype), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def make_reference_step(tx, loss=loss_fn):
+    @jax.jit
+    def step(params, opt_state):
+        updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+FINITE = jnp.float32(1.0)
+
+
+# -- finite steps ---------------------------------------------------------------------------------
+
+
+def test_finite_steps_match_unscaled_adamw():
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**8, steps_per_increase=2, max_loss_scale=2.0**14)
+    inner = optax.adamw(LEARNING_RATE, weight_decay=1e-2)
+    scaled_step = make_scaled_step(amp_core.with_loss_scaling(inner, cfg))
+    reference_step = make_reference_step(inner)
+    params = reference = init_params()
+    opt_state = amp_core.with_loss_scaling(inner, cfg).init(params)
+    reference_state = inner.init(reference)
+    for _ in range(15):
+        params, opt_state = scaled_step(params, opt_state, FINITE)
+        reference, reference_state = reference_step(reference, reference_state)
+    assert_trees_close(params, reference, rtol=1e-6)
+    # The gradients agree to rounding only: XLA orders the backward pass's float ops
+    # differently once the (power-of-two) scale is a traced value rather than the constant 1.
+    assert_trees_close(opt_state.inner_state, reference_state, rtol=1e-5)
+    scaler = amp_core.loss_scale_state(opt_state)
+    assert float(scaler.loss_scale) == 2.0**13  # grew on updates 3, 6, 9, 12, 15
+    assert int(scaler.num_skipped_steps) == 0
+    assert loss_fn(params) < loss_fn(init_params())
+
+
+# -- overflowed steps -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_overflow_step_leaves_params_and_adamw_state_bit_identical(bad, mode):
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**10, steps_per_increase=100)
+    tx = amp_core.with_loss_scaling(optax.adamw(LEARNING_RATE, weight_decay=1e-2), cfg)
+    params = init_params()
+    params["half"] = jnp.asarray([1.0, -0.0, 3.0], jnp.float16)
+    loss = lambda p: loss_fn(p) + jnp.sum(p["half"].astype(jnp.float32) ** 2)  # noqa: E731
+    step = make_scaled_step(tx, loss)
+    opt_state = tx.init(params)
+    for _ in range(3):  # give adamw non-trivial moments and count
+        params, opt_state = step(params, opt_state, FINITE)
+    params["w1"] = params["w1"].at[0, 0].set(-0.0).at[0, 1].set(0.0)
+
+    scaler = amp_core.loss_scale_state(opt_state)
+    grads = jax.grad(lambda p: amp_core.scale_loss(scaler, loss(p)))(params)
+    grads["w2"] = grads["w2"].at[1, 1].set(bad)
+    update = tx.update if mode == "eager" else jax.jit(tx.update)
+    updates, new_opt_state = update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    assert bits(new_params) == bits(params)
+    assert np.signbit(np.asarray(new_params["w1"][0, 0]))
+    assert new_params["half"].dtype == jnp.float16
+    assert bits(new_opt_state.inner_state) == bits(opt_state.inner_state)
+    new_scaler = amp_core.loss_scale_state(new_opt_state)
+    assert not bool(new_scaler.isfinite)
+    assert float(new_scaler.loss_scale) == float(scaler.loss_scale) / 2
+    assert int(new_scaler.num_skipped_steps) == int(scaler.num_skipped_steps) + 1
+    assert int(new_scaler.steps_since_rescale) == 0
+
+
+def test_training_continues_after_overflow_like_a_run_without_the_bad_step():
+    """Skipped steps leave no trace: the run equals one where the bad steps never happened."""
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**10, steps_per_increase=1000)
+    inner = optax.adamw(LEARNING_RATE)
+    tx = amp_core.with_loss_scaling(inner, cfg)
+    step, reference_step = make_scaled_step(tx), make_reference_step(inner)
+    params = reference = init_params()
+    opt_state, reference_state = tx.init(params), inner.init(reference)
+    for index in range(10):
+        poison = jnp.float32(np.nan if index in (2, 3, 7) else 1.0)
+        params, opt_state = step(params, opt_state, poison)
+        if index not in (2, 3, 7):
+            reference, reference_state = reference_step(reference, reference_state)
+    assert_trees_close(params, reference, rtol=1e-6)
+    assert int(amp_core.loss_scale_state(opt_state).num_skipped_steps) == 3
+    assert int(opt_state.inner_state[0].count) == 7
+
+
+def test_wrapper_skips_with_lax_cond_not_a_select_over_every_leaf():
+    """SPEC/PERFORMANCE item 6: the inner update sits under a ``cond``."""
+    tx = amp_core.with_loss_scaling(optax.adamw(LEARNING_RATE), amp_core.DynamicLossScale())
+    params = init_params()
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+    assert "cond" in {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+
+
+# -- GCC ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])
+def test_gcc_matches_clip_by_global_norm_then_adamw(max_norm):
+    """optax clips by ``max_norm / norm`` where torch and SPEC use ``max_norm / (norm + 1e-6)``."""
+    cfg = amp_core.DynamicLossScale(
+        init_scale=2.0**6, steps_per_increase=3, max_loss_scale=2.0**10, max_gradient_norm=max_norm
+    )
+    inner = optax.adamw(LEARNING_RATE)
+    step = make_scaled_step(amp_core.with_loss_scaling(inner, cfg))
+    reference_tx = optax.chain(optax.clip_by_global_norm(max_norm), inner)
+    reference_step = make_reference_step(reference_tx)
+    params = reference = init_params()
+    opt_state = amp_core.with_loss_scaling(inner, cfg).init(params)
+    reference_state = reference_tx.init(reference)
+    for _ in range(8):
+        params, opt_state = step(params, opt_state, FINITE)
+        reference, reference_state = reference_step(reference, reference_state)
+    assert_trees_close(params, reference, rtol=1e-5)
+    scaler = amp_core.loss_scale_state(opt_state)
+    assert np.isfinite(float(scaler.global_norm))
+    if max_norm < 1:
+        assert float(scaler.global_norm) > max_norm  # clipping was really active
+
+
+def test_gcc_clipped_gradients_reach_the_inner_optimizer():
+    """With plain SGD the update is ``-lr * clipped grad``: check the clip directly."""
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**4, max_gradient_norm=1.0)
+    tx = amp_core.with_loss_scaling(optax.sgd(1.0), cfg)
+    params = {"w": jnp.zeros((2,), jnp.float32)}
+    grads = {"w": jnp.array([30.0, 40.0], jnp.float32) * 16}
+    updates, state = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(np.asarray(updates["w"]), [-0.6, -0.8], rtol=1e-6)
+    assert float(amp_core.loss_scale_state(state).global_norm) == 50.0
+
+
+# -- finding the scaler state ---------------------------------------------------------------------
+
+
+def test_loss_scale_state_is_found_inside_optax_chain():
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**5, overflow_tolerance=0.0)
+    tx = optax.chain(
+        optax.scale(1.0), amp_core.with_loss_scaling(optax.sgd(0.1), cfg), optax.scale(1.0)
+    )
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    state = tx.init(params)
+    assert float(amp_core.loss_scale_state(state).loss_scale) == 32.0
+    _, state = tx.update({"w": jnp.array([1.0, np.inf, 0.0], jnp.float32)}, state, params)
+    scaler = amp_core.loss_scale_state(state)
+    assert float(scaler.loss_scale) == 16.0
+    assert int(scaler.num_skipped_steps) == 1
+
+
+def test_loss_scale_state_of_the_wrapper_own_state():
+    cfg = amp_core.DynamicLossScale()
+    state = amp_core.with_loss_scaling(optax.sgd(0.1), cfg).init({"w": jnp.zeros(2)})
+    assert isinstance(state, amp_core.LossScaledState)
+    assert amp_core.loss_scale_state(state) is state.loss_scale
+
+
+def test_loss_scale_state_rejects_states_without_or_with_two_scalers():
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(ValueError, match="found 0"):
+        amp_core.loss_scale_state(optax.adamw(0.1).init(params))
+    wrapped = amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.DynamicLossScale())
+    with pytest.raises(ValueError, match="found 2"):
+        amp_core.loss_scale_state(optax.chain(wrapped, wrapped).init(params))
+
+
+def test_wrapper_rejects_what_is_not_a_gradient_transformation():
+    with pytest.raises(TypeError, match="inner"):
+        amp_core.with_loss_scaling(lambda g: g, amp_core.DynamicLossScale())
+
+
+# -- static scaling -------------------------------------------------------------------------------
+
+
+def test_static_config_never_skips_even_with_inf_gradients():
+    tx = amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.StaticLossScale(1.0))
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.array([1.0, np.inf, np.nan], jnp.float32)}, state, params)
+    new_params = optax.apply_updates(params, updates)
+    expected = np.float32(1) - np.float32(0.1) * np.array([1.0, np.inf, np.nan], np.float32)
+    np.testing.assert_array_equal(np.asarray(new_params["w"]), expected)
+    scaler = amp_core.loss_scale_state(state)
+    assert bool(scaler.isfinite)
+    assert int(scaler.num_skipped_steps) == 0
+    assert float(scaler.loss_scale) == 1.0
+
+
+def test_static_scale_matches_unscaled_training():
+    inner = optax.adamw(LEARNING_RATE)
+    tx = amp_core.with_loss_scaling(inner, amp_core.StaticLossScale(2.0**7))
+    step, reference_step = make_scaled_step(tx), make_reference_step(inner)
+    params = reference = init_params()
+    opt_state, reference_state = tx.init(params), inner.init(reference)
+    for _ in range(5):
+        params, opt_state = step(params, opt_state, FINITE)
+        reference, reference_state = reference_step(reference, reference_state)
+    assert_trees_close(params, reference, rtol=1e-6)
+    assert float(amp_core.loss_scale_state(opt_state).loss_scale) == 2.0**7
+
+
+# -- value_and_grad -------------------------------------------------------------------------------
+
+VG_CONFIG = amp_core.DynamicLossScale(init_scale=2.0**12)
+
+
+def test_value_and_grad_returns_unscaled_value_and_grads():
+    grad_fn = amp_core.value_and_grad(loss_fn, VG_CONFIG)
+    params = init_params()
+    value, grads, isfinite, norm = grad_fn(amp_core.init(VG_CONFIG), params)
+    expected_value, expected_grads = jax.value_and_grad(loss_fn)(params)
+    assert float(value) == float(expected_value)
+    assert_trees_close(grads, expected_grads, rtol=1e-6)
+    assert bool(isfinite)
+    flat = np.concatenate([np.ravel(g) for g in jax.tree_util.tree_leaves(expected_grads)])
+    np.testing.assert_allclose(float(norm), np.linalg.norm(flat.astype(np.float64)), rtol=1e-5)
+
+
+def test_value_and_grad_with_aux():
+    def fun(params):
+        loss = loss_fn(params)
+        return loss, {"doubled": 2 * loss}
+
+    grad_fn = jax.jit(amp_core.value_and_grad(fun, VG_CONFIG, has_aux=True))
+    (value, aux), grads, isfinite, _ = grad_fn(amp_core.init(VG_CONFIG), init_params())
+    (expected_value, expected_aux), expected_grads = jax.value_and_grad(fun, has_aux=True)(
+        init_params()
+    )
+    np.testing.assert_allclose(float(value), float(expected_value), rtol=1e-6)
+    np.testing.assert_allclose(float(aux["doubled"]), float(expected_aux["doubled"]), rtol=1e-6)
+    assert_trees_close(grads, expected_grads, rtol=1e-6)
+    assert bool(isfinite)
+
+
+def test_value_and_grad_with_integer_argnums_and_keyword_arguments():
+    def fun(x, params, *, y):
+        return loss_fn(params, x, y)
+
+    grad_fn = amp_core.value_and_grad(fun, VG_CONFIG, argnums=1)
+    _, grads, _, _ = grad_fn(amp_core.init(VG_CONFIG), X, init_params(), y=Y)
+    expected = jax.grad(fun, argnums=1)(X, init_params(), y=Y)
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(expected)
+    assert_trees_close(grads, expected, rtol=1e-6)
+
+
+def test_value_and_grad_with_tuple_argnums():
+    def fun(x, params):
+        return loss_fn(params, x)
+
+    grad_fn = amp_core.value_and_grad(fun, VG_CONFIG, argnums=(0, 1))
+    _, grads, isfinite, norm = grad_fn(amp_core.init(VG_CONFIG), X, init_params())
+    expected = jax.grad(fun, argnums=(0, 1))(X, init_params())
+    assert isinstance(grads, tuple) and len(grads) == 2
+    assert_trees_close(grads, expected, rtol=1e-6)
+    flat = np.concatenate([np.ravel(g) for g in jax.tree_util.tree_leaves(expected)])
+    np.testing.assert_allclose(float(norm), np.linalg.norm(flat.astype(np.float64)), rtol=1e-5)
+    assert bool(isfinite)
+
+
+def test_value_and_grad_reports_float16_overflow_of_a_large_scale():
+    """The cbfloat16 default scale (2**31) overflows a float16 backward pass."""
+    cfg = amp_core.DynamicLossScale(half_dtype="cbfloat16")
+
+    def fun(w):
+        return jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32)
+
+    w = jnp.array([1.0, 2.0], jnp.float32)
+    grad_fn = amp_core.value_and_grad(fun, cfg)
+    value, _, isfinite, _ = grad_fn(amp_core.init(cfg), w)
+    assert float(value) == 5.0
+    assert not bool(isfinite)
+    small = amp_core.DynamicLossScale(init_scale=2.0**8)
+    _, grads, isfinite, _ = amp_core.value_and_grad(fun, small)(amp_core.init(small), w)
+    assert bool(isfinite)
+    np.testing.assert_array_equal(np.asarray(grads), [2.0, 4.0])
+
+
+def test_value_and_grad_clips_with_gcc():
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**4, max_gradient_norm=1.0)
+
+    def fun(w):
+        return jnp.sum(jnp.array([30.0, 40.0], jnp.float32) * w)
+
+    _, grads, isfinite, norm = amp_core.value_and_grad(fun, cfg)(
+        amp_core.init(cfg), jnp.zeros((2,), jnp.float32)
+    )
+    assert bool(isfinite)
+    assert float(norm) == 50.0
+    np.testing.assert_allclose(np.asarray(grads), [0.6, 0.8], rtol=1e-6)
+
+
+def test_value_and_grad_with_static_scale_never_reports_overflow():
+    cfg = amp_core.StaticLossScale(2.0)
+
+    def fun(w):
+        return jnp.sum(w * jnp.array([np.inf, 1.0], jnp.float32))
+
+    _, grads, isfinite, _ = amp_core.value_and_grad(fun, cfg)(
+        amp_core.init(cfg), jnp.ones((2,), jnp.float32)
+    )
+    assert bool(isfinite)
+    np.testing.assert_array_equal(np.asarray(grads), [np.inf, 1.0])
+
+
+def test_wrapper_itself_passes_strict_dtype_promotion():
+    """The module runs under standard promotion for adamw; the wrapper's own code is strict."""
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**10, max_gradient_norm=1.0)
+    tx = amp_core.with_loss_scaling(optax.sgd(0.1), cfg)
+    params = {"w": jnp.ones((3,), jnp.float32), "h": jnp.ones((2,), jnp.float16)}
+    with jax.numpy_dtype_promotion("strict"):
+        state = tx.init(params)
+        for bad in (1.0, np.inf):
+            grads = {"w": jnp.array([1.0, bad, 2.0], jnp.float32), "h": jnp.ones((2,), jnp.float16)}
+            updates, state = jax.jit(tx.update)(grads, state, params)
+            params = optax.apply_updates(params, updates)
+    assert params["h"].dtype == jnp.float16
+    assert int(amp_core.loss_scale_state(state).num_skipped_steps) == 1

@@ -1,0 +1,57 @@
+"""Test-suite setup shared by every package's tests.
+
+XLA reads ``XLA_FLAGS`` when its CPU backend starts, so the flag that gives the sharding tests
+eight host devices is set here, before any test module imports (and initialises) JAX.
+
+The amp_core tests run under JAX's strict dtype promotion (as equinox's tests do): every implicit
+promotion is an error, so a float16 gradient that silently became float32, or a float64 constant
+leaking into float32 arithmetic, fails a test. (This lives here rather than in
+``tests/amp_core/conftest.py``: two ``conftest.py`` files outside packages clash under
+``--doctest-modules``.)
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _with_host_device_count(flags: str, count: int = 8) -> str:
+    """Returns ``flags`` with the host device count flag added unless it is already there."""
+    if _DEVICE_COUNT_FLAG in flags:
+        return flags
+    return f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+
+
+os.environ["XLA_FLAGS"] = _with_host_device_count(os.environ.get("XLA_FLAGS", ""))
+
+# pytest puts this directory on sys.path, where tests/amp_core (no __init__.py) would shadow the
+# amp_core package as a namespace package when pytest runs as ``pytest`` rather than
+# ``python -m pytest``. The repository root on sys.path keeps the real packages importable.
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+_STRICT_PROMOTION_DIR = Path(__file__).resolve().parent / "amp_core"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _amp_core_dtype_promotion(request):
+    """Strict dtype promotion for each module under tests/amp_core, restored afterwards.
+
+    A module that drives third-party code relying on implicit promotion (optax's adamw computes
+    ``decay ** count`` with an int32 count) opts out with ``DTYPE_PROMOTION = "standard"``.
+    """
+    if _STRICT_PROMOTION_DIR not in Path(request.path).resolve().parents:
+        yield
+        return
+    import jax
+
+    previous = jax.config.jax_numpy_dtype_promotion
+    mode = getattr(request.module, "DTYPE_PROMOTION", "strict")
+    jax.config.update("jax_numpy_dtype_promotion", mode)
+    yield
+    jax.config.update("jax_numpy_dtype_promotion", previous)
