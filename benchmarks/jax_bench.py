@@ -1,0 +1,97 @@
+"""Section 2: a jitted optax AdamW step alone and loss-scaled through ``amp_core``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import amp_core
+from benchmarks.sizes import GradientSet
+from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, first_step, measure
+from benchmarks.torch_bench import BIG_NORM, LEARNING_RATE, LOSS_SCALE, NEVER
+
+VARIANTS = ("optax adamw", "+ DLS", "+ DLS+GCC")
+"""Variant names, interleaved together."""
+
+
+def _transformation(name: str) -> optax.GradientTransformation:
+    inner = optax.adamw(LEARNING_RATE)
+    if name == "optax adamw":
+        return inner
+    config = amp_core.DynamicLossScale(
+        init_scale=LOSS_SCALE,
+        max_loss_scale=LOSS_SCALE,
+        steps_per_increase=NEVER,
+        max_gradient_norm=BIG_NORM if name == "+ DLS+GCC" else None,
+    )
+    return amp_core.with_loss_scaling(inner, config)
+
+
+class _OptaxVariant:
+    """Holds params and optimizer state; each call is one jitted, donating update."""
+
+    def __init__(self, name: str, grads: GradientSet) -> None:
+        tx = _transformation(name)
+        self.grads = {
+            n: jnp.array(g.numpy(), copy=True)
+            for n, g in zip(grads.names, grads.grads, strict=True)
+        }
+        self.params = {
+            n: jnp.array(v.numpy(), copy=True)
+            for n, v in zip(grads.names, grads.values, strict=True)
+        }
+        # amp_core.init returns one array object for several state fields (the two scales, the
+        # three counters); donating such a state fails ("donate the same buffer twice"), so every
+        # leaf gets its own buffer here.
+        self.state = jax.tree.map(lambda x: jnp.array(x, copy=True), tx.init(self.params))
+
+        def update(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        self._update = jax.jit(update, donate_argnums=(0, 1))
+
+    def step(self) -> None:
+        self.params, self.state = self._update(self.params, self.state, self.grads)
+        jax.block_until_ready((self.params, self.state))
+
+
+@dataclasses.dataclass
+class JaxGroup:
+    """The measurements of one size: first steps and timed rounds per variant."""
+
+    first: dict[str, FirstStep]
+    timings: dict[str, Timing]
+
+
+def run_group(
+    grads: GradientSet,
+    plan: Plan,
+    counter: CompileCounter,
+    on_round: Callable[[], object] = lambda: None,
+) -> JaxGroup:
+    """Measures optax AdamW alone, with DLS and with DLS + GCC, interleaved.
+
+    Every variant is ``jax.jit(update, donate_argnums=(0, 1))`` over ``(params, opt_state,
+    grads)``: params and optimizer state are donated, the gradients are reused on every call.
+
+    Args:
+        grads: the size's parameters and gradients.
+        plan: rounds, steps per round and warm-up.
+        counter: a listening compile counter.
+        on_round: progress callback, once per round.
+    """
+    variants = []
+    first = {}
+    for name in VARIANTS:
+        since = counter.snapshot()
+        holder = _OptaxVariant(name, grads)
+        variant = Variant(name, holder.step)
+        first[name] = first_step(variant, counter, since)
+        variants.append(variant)
+    return JaxGroup(first, measure(variants, plan, counter, on_round))

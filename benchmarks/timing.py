@@ -1,0 +1,326 @@
+"""Interleaved timing of benchmark variants, summary statistics and a JAX compile counter."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax.monitoring
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""The event JAX records (with its duration) once per XLA backend compilation.
+
+Defined as ``jax._src.dispatch.BACKEND_COMPILE_EVENT``; a persistent-cache hit does not record it.
+"""
+
+
+class CompileCounter:
+    """Counts XLA backend compilations and their seconds while :meth:`listening`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from benchmarks.timing import CompileCounter
+        >>> counter = CompileCounter()
+        >>> with counter.listening():
+        ...     _ = jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+        >>> counter.count >= 1
+        True
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+
+    def _listener(self, event: str, duration: float, **_: Any) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+            self.seconds += duration
+
+    @contextlib.contextmanager
+    def listening(self) -> Iterator[CompileCounter]:
+        """Registers the listener for the duration of the ``with`` block."""
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        try:
+            yield self
+        finally:
+            jax.monitoring.unregister_event_duration_listener(self._listener)
+
+    def snapshot(self) -> tuple[int, float]:
+        """``(count, seconds)`` so far."""
+        return self.count, self.seconds
+
+
+@dataclasses.dataclass
+class Variant:
+    """One thing to time.
+
+    Attributes:
+        name: unique within one interleaved group.
+        step: the timed call; it must return only once its work is complete.
+        refill: untimed preparation before every timed call (e.g. copying gradients back).
+    """
+
+    name: str
+    step: Callable[[], Any]
+    refill: Callable[[], Any] = lambda: None
+
+
+@dataclasses.dataclass
+class Stats:
+    """Median, minimum and maximum over rounds (``nan`` where no round gave a value)."""
+
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        """Statistics of the finite values in ``values``.
+
+        Example:
+            >>> from benchmarks.timing import Stats
+            >>> Stats.of([3.0, 1.0, 2.0, float("nan")])
+            Stats(median=2.0, min=1.0, max=3.0)
+        """
+        finite = [v for v in values if math.isfinite(v)]
+        if not finite:
+            return cls(math.nan, math.nan, math.nan)
+        return cls(statistics.median(finite), min(finite), max(finite))
+
+    def as_dict(self) -> dict[str, float]:
+        """``{"median": ..., "min": ..., "max": ...}``."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Timing:
+    """What :func:`run_interleaved` measured for one variant.
+
+    Attributes:
+        rounds: one value per round, the median of that round's timed calls (seconds).
+        samples: every timed call, per round (seconds).
+        compiles: XLA compilations during the timed rounds (must be 0).
+        iters: timed calls per round.
+    """
+
+    rounds: list[float] = dataclasses.field(default_factory=list)
+    samples: list[list[float]] = dataclasses.field(default_factory=list)
+    compiles: int = 0
+    iters: int = 0
+
+    @property
+    def stats(self) -> Stats:
+        """Statistics over rounds."""
+        return Stats.of(self.rounds)
+
+
+@dataclasses.dataclass
+class FirstStep:
+    """The first call of a variant, and the compilations it (and its construction) caused.
+
+    Attributes:
+        seconds: wall time of the first timed call.
+        compiles: XLA compilations during construction and the first call.
+        compile_seconds: their total duration, as JAX reports it.
+    """
+
+    seconds: float
+    compiles: int
+    compile_seconds: float
+
+
+def first_step(variant: Variant, counter: CompileCounter, since: tuple[int, float]) -> FirstStep:
+    """Times ``variant``'s first call; compilations are counted from the ``since`` snapshot.
+
+    Args:
+        variant: the variant, just constructed.
+        counter: a listening compile counter.
+        since: ``counter.snapshot()`` taken before the variant was constructed.
+    """
+    variant.refill()
+    start = time.perf_counter()
+    variant.step()
+    seconds = time.perf_counter() - start
+    count, compile_seconds = counter.snapshot()
+    return FirstStep(seconds, count - since[0], compile_seconds - since[1])
+
+
+def warm_up(variants: Sequence[Variant], steps: int) -> float:
+    """Calls every variant ``steps`` times (after its refill), untimed for the report.
+
+    Returns:
+        The slowest variant's fastest warm-up call (seconds; 0 without warm-up): a step time
+        that one stray pause of the machine does not inflate.
+    """
+    fastest = {v.name: math.inf for v in variants}
+    for _ in range(steps):
+        for variant in variants:
+            variant.refill()
+            start = time.perf_counter()
+            variant.step()
+            fastest[variant.name] = min(fastest[variant.name], time.perf_counter() - start)
+    return max(fastest.values(), default=0.0) if steps else 0.0
+
+
+ROUND_TARGET_S = 0.5
+"""Aimed-at seconds of one variant's timed calls in one round (bounds the run on a busy machine)."""
+
+
+def choose_iters(max_iters: int, step_s: float, fixed: bool) -> int:
+    """Timed calls per variant and round: ``max_iters``, fewer when steps are slow.
+
+    Args:
+        max_iters: the size's count (or the user's ``--iters``).
+        step_s: the group's step time from :func:`warm_up`.
+        fixed: use ``max_iters`` as is (the user asked for it).
+
+    Example:
+        >>> from benchmarks.timing import choose_iters
+        >>> choose_iters(5, 0.05, False), choose_iters(5, 1.5, False), choose_iters(5, 1.5, True)
+        (5, 1, 5)
+    """
+    if fixed or step_s <= 0:
+        return max_iters
+    return max(1, min(max_iters, int(ROUND_TARGET_S / step_s)))
+
+
+def run_interleaved(
+    variants: Sequence[Variant],
+    rounds: int,
+    iters: int,
+    counter: CompileCounter,
+    on_round: Callable[[], Any] = lambda: None,
+) -> dict[str, Timing]:
+    """Times the variants round by round, interleaved, in this process.
+
+    Each round runs every variant ``iters`` times in a row (each call after its untimed refill);
+    the variants' order rotates from round to round so that none always follows the same one.
+    Python's garbage collector is paused while timing, as ``timeit`` does.
+
+    Args:
+        variants: the variants, already warmed up.
+        rounds: number of rounds.
+        iters: timed calls per variant and round.
+        counter: a listening compile counter (compilations are attributed to variants).
+        on_round: called after every round (progress).
+
+    Returns:
+        One :class:`Timing` per variant name.
+    """
+    timings = {v.name: Timing(iters=iters) for v in variants}
+    for round_index in range(rounds):
+        shift = round_index % len(variants)
+        order = list(variants[shift:]) + list(variants[:shift])
+        gc.collect()
+        gc.disable()
+        try:
+            for variant in order:
+                samples = []
+                before = counter.count
+                for _ in range(iters):
+                    variant.refill()
+                    start = time.perf_counter()
+                    variant.step()
+                    samples.append(time.perf_counter() - start)
+                timing = timings[variant.name]
+                timing.compiles += counter.count - before
+                timing.samples.append(samples)
+                timing.rounds.append(statistics.median(samples))
+        finally:
+            gc.enable()
+        on_round()
+    return timings
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one group of variants is timed.
+
+    Attributes:
+        rounds: timed rounds.
+        max_iters: timed calls per variant and round (fewer when steps are slow, unless fixed).
+        fixed_iters: always use ``max_iters``.
+        warmup: untimed calls per variant after its first call (at least one is made, to size
+            the rounds).
+    """
+
+    rounds: int
+    max_iters: int
+    fixed_iters: bool = False
+    warmup: int = 2
+
+
+def measure(
+    variants: Sequence[Variant],
+    plan: Plan,
+    counter: CompileCounter,
+    on_round: Callable[[], Any] = lambda: None,
+) -> dict[str, Timing]:
+    """Warms the variants up, picks the calls per round, and times them interleaved."""
+    slowest = warm_up(variants, max(1, plan.warmup))
+    iters = choose_iters(plan.max_iters, slowest, plan.fixed_iters)
+    return run_interleaved(variants, plan.rounds, iters, counter, on_round)
+
+
+class CpuShare:
+    """CPU time used by *other* processes while this one runs (Linux ``/proc/stat``).
+
+    ``other_cores()`` is the average number of cores other processes kept busy since
+    construction: the machine's busy time minus this process's own CPU time, over wall time.
+    ``None`` where ``/proc/stat`` is unavailable.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._snapshot()
+
+    @staticmethod
+    def _snapshot() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as stat:
+                fields = [float(x) for x in stat.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy = (user + nice + system + irq + softirq + steal) / ticks
+        own = os.times()
+        return time.perf_counter(), busy, own.user + own.system
+
+    def other_cores(self) -> float | None:
+        """Average cores busy with other processes since construction."""
+        end = self._snapshot()
+        if self._start is None or end is None or end[0] <= self._start[0]:
+            return None
+        wall = end[0] - self._start[0]
+        other = (end[1] - self._start[1]) - (end[2] - self._start[2])
+        return max(0.0, other / wall)
+
+
+def per_round(
+    op: Callable[[float, float], float], left: Sequence[float], right: Sequence[float]
+) -> list[float]:
+    """``op`` applied round by round (``nan`` where it is undefined).
+
+    Example:
+        >>> from benchmarks.timing import per_round, ratio
+        >>> per_round(ratio, [2.0, 3.0], [1.0, 0.0])
+        [2.0, nan]
+    """
+    return [op(a, b) for a, b in zip(left, right, strict=True)]
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b``, or ``nan`` unless ``b > 0``."""
+    return a / b if b > 0 else math.nan
+
+
+def difference(a: float, b: float) -> float:
+    """``a - b``."""
+    return a - b
