@@ -28,7 +28,13 @@ from amp_core.state import (
     state_dict_keys,
     to_state_dict,
 )
-from amp_core.transforms import LossScaledState, loss_scale_state, value_and_grad, with_loss_scaling
+from amp_core.transforms import (
+    LossScaledState,
+    apply_scaled_gradients,
+    loss_scale_state,
+    value_and_grad,
+    with_loss_scaling,
+)
 
 __all__ = [
     "CLIP_EPSILON",
@@ -40,6 +46,7 @@ __all__ = [
     "StaticLossScale",
     "StepResult",
     "apply_multiplier",
+    "apply_scaled_gradients",
     "check_and_update",
     "check_grads",
     "clip_coefficient",

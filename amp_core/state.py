@@ -55,15 +55,14 @@ def init(config: LossScaleConfig) -> LossScaleState:
         scale = min(config.max_loss_scale, config.init_scale)
     else:
         scale = config.loss_scale
-    scale_array = jnp.asarray(scale, jnp.float32)
-    zero = jnp.zeros((), COUNTER_DTYPE)
+    # Every leaf its own buffer, so that the state can be donated to a jitted step.
     return LossScaleState(
-        loss_scale=scale_array,
-        non_clamped_scale=scale_array,
-        steps_since_rescale=zero,
-        overflows_since_rescale=zero,
-        num_skipped_steps=zero,
-        isfinite=jnp.asarray(True),
+        loss_scale=jnp.full((), scale, jnp.float32),
+        non_clamped_scale=jnp.full((), scale, jnp.float32),
+        steps_since_rescale=jnp.zeros((), COUNTER_DTYPE),
+        overflows_since_rescale=jnp.zeros((), COUNTER_DTYPE),
+        num_skipped_steps=jnp.zeros((), COUNTER_DTYPE),
+        isfinite=jnp.ones((), jnp.bool_),
         global_norm=jnp.zeros((), jnp.float32),
     )
 

@@ -15,28 +15,27 @@ from benchmarks.sizes import GradientSet
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, first_step, measure
 from benchmarks.torch_bench import BIG_NORM, LEARNING_RATE, LOSS_SCALE, NEVER
 
-VARIANTS = ("optax adamw", "+ DLS", "+ DLS+GCC")
-"""Variant names, interleaved together."""
+FUSED_APPLY = "+ DLS, apply_scaled_gradients"
+VARIANTS = ("optax adamw", "+ DLS", "+ DLS+GCC", FUSED_APPLY)
+"""Variant names, interleaved together. The first three go through ``tx.update`` and
+``optax.apply_updates``; the last through ``amp_core.apply_scaled_gradients``."""
 
 
-def _transformation(name: str) -> optax.GradientTransformation:
-    inner = optax.adamw(LEARNING_RATE)
-    if name == "optax adamw":
-        return inner
-    config = amp_core.DynamicLossScale(
+def _config(name: str) -> amp_core.DynamicLossScale:
+    return amp_core.DynamicLossScale(
         init_scale=LOSS_SCALE,
         max_loss_scale=LOSS_SCALE,
         steps_per_increase=NEVER,
         max_gradient_norm=BIG_NORM if name == "+ DLS+GCC" else None,
     )
-    return amp_core.with_loss_scaling(inner, config)
 
 
 class _OptaxVariant:
     """Holds params and optimizer state; each call is one jitted, donating update."""
 
     def __init__(self, name: str, grads: GradientSet) -> None:
-        tx = _transformation(name)
+        inner = optax.adamw(LEARNING_RATE)
+        tx = inner if name == "optax adamw" else amp_core.with_loss_scaling(inner, _config(name))
         self.grads = {
             n: jnp.array(g.numpy(), copy=True)
             for n, g in zip(grads.names, grads.grads, strict=True)
@@ -45,12 +44,11 @@ class _OptaxVariant:
             n: jnp.array(v.numpy(), copy=True)
             for n, v in zip(grads.names, grads.values, strict=True)
         }
-        # amp_core.init returns one array object for several state fields (the two scales, the
-        # three counters); donating such a state fails ("donate the same buffer twice"), so every
-        # leaf gets its own buffer here.
-        self.state = jax.tree.map(lambda x: jnp.array(x, copy=True), tx.init(self.params))
+        self.state = tx.init(self.params)
 
         def update(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+            if name == FUSED_APPLY:
+                return amp_core.apply_scaled_gradients(inner, _config(name), grads, state, params)
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
@@ -75,7 +73,7 @@ def run_group(
     counter: CompileCounter,
     on_round: Callable[[], object] = lambda: None,
 ) -> JaxGroup:
-    """Measures optax AdamW alone, with DLS and with DLS + GCC, interleaved.
+    """Measures optax AdamW alone, with DLS, with DLS + GCC and the fused apply, interleaved.
 
     Every variant is ``jax.jit(update, donate_argnums=(0, 1))`` over ``(params, opt_state,
     grads)``: params and optimizer state are donated, the gradients are reused on every call.

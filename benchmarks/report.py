@@ -137,25 +137,38 @@ def markdown(results: dict[str, Any]) -> str:
     )
     out += [
         "",
-        "## 2. JAX-native: jitted optax AdamW step, alone and through `amp_core.with_loss_scaling` (ms)",
+        "## 2. JAX-native: jitted optax AdamW step, alone and loss-scaled through `amp_core` (ms)",
         "",
-        "Each is `jax.jit(update, donate_argnums=(0, 1))` over (params, opt_state, grads).",
+        "Each is `jax.jit(update, donate_argnums=(0, 1))` over (params, opt_state, grads). "
+        "DLS and DLS+GCC: `with_loss_scaling` then `optax.apply_updates`; fused: "
+        "`apply_scaled_gradients` (DLS, the update applied inside the skip branch).",
         "",
     ]
     out += _table(
-        ["size", "optax adamw", "+ DLS", "+ DLS+GCC", "DLS/plain", "DLS+GCC/plain"],
+        [
+            "size",
+            "optax adamw",
+            "+ DLS",
+            "+ DLS+GCC",
+            "+ DLS fused",
+            "DLS/plain",
+            "DLS+GCC/plain",
+            "fused/plain",
+        ],
         [
             [
                 r["size"],
                 _cell(r["adamw_ms"]),
                 _cell(r["dls_ms"]),
                 _cell(r["dls_gcc_ms"]),
+                _cell(r["dls_fused_ms"]),
                 _cell(r["dls_ratio"], "x"),
                 _cell(r["dls_gcc_ratio"], "x"),
+                _cell(r["dls_fused_ratio"], "x"),
             ]
             for r in results["jax"]
         ],
-        ["l"] + ["r"] * 5,
+        ["l"] + ["r"] * 7,
     )
     out += [
         "",

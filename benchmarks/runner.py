@@ -126,14 +126,16 @@ def _torch_rows(size: str, group: torch_bench.TorchGroup) -> list[dict[str, Any]
 
 
 def _jax_row(size: str, group: jax_bench.JaxGroup) -> dict[str, Any]:
-    plain, dls, gcc = (group.timings[name].rounds for name in jax_bench.VARIANTS)
+    plain, dls, gcc, fused = (group.timings[name].rounds for name in jax_bench.VARIANTS)
     return {
         "size": size,
         "adamw_ms": _stats(_ms(plain)),
         "dls_ms": _stats(_ms(dls)),
         "dls_gcc_ms": _stats(_ms(gcc)),
+        "dls_fused_ms": _stats(_ms(fused)),
         "dls_ratio": _stats(per_round(ratio, dls, plain)),
         "dls_gcc_ratio": _stats(per_round(ratio, gcc, plain)),
+        "dls_fused_ratio": _stats(per_round(ratio, fused, plain)),
     }
 
 

@@ -389,3 +389,54 @@ def test_wrapper_itself_passes_strict_dtype_promotion():
             params = optax.apply_updates(params, updates)
     assert params["h"].dtype == jnp.float16
     assert int(amp_core.loss_scale_state(state).num_skipped_steps) == 1
+
+
+# -- apply_scaled_gradients: the fused fast path ---------------------------------------------------
+
+
+def test_apply_scaled_gradients_matches_the_wrapper_then_apply_updates():
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**8, steps_per_increase=2, max_loss_scale=2.0**14)
+    inner = optax.adamw(LEARNING_RATE, weight_decay=1e-2)
+    tx = amp_core.with_loss_scaling(inner, cfg)
+    wrapper_step = make_scaled_step(tx)
+
+    @jax.jit
+    def fused_step(params, opt_state, poison):
+        scaler = amp_core.loss_scale_state(opt_state)
+        grads = jax.grad(lambda p: amp_core.scale_loss(scaler, loss_fn(p)))(params)
+        grads = jax.tree_util.tree_map(lambda g: g * poison.astype(g.dtype), grads)
+        return amp_core.apply_scaled_gradients(inner, cfg, grads, opt_state, params)
+
+    params = fused = init_params()
+    opt_state = fused_state = tx.init(params)
+    for step in range(12):
+        poison = jnp.float32(np.inf) if step in (4, 9) else FINITE
+        params, opt_state = wrapper_step(params, opt_state, poison)
+        before = bits((fused, fused_state.inner_state))
+        fused, fused_state = fused_step(fused, fused_state, poison)
+        if step in (4, 9):  # skipped: bit-identical parameters and inner state
+            assert bits((fused, fused_state.inner_state)) == before
+    assert_trees_close(fused, params, rtol=1e-6)
+    assert_trees_close(fused_state.inner_state, opt_state.inner_state, rtol=1e-6)
+    ours, theirs = amp_core.loss_scale_state(fused_state), amp_core.loss_scale_state(opt_state)
+    assert bits(ours) == bits(theirs)
+    assert int(ours.num_skipped_steps) == 2
+
+
+def test_apply_scaled_gradients_rejects_a_plain_optimizer_state():
+    inner = optax.sgd(0.1)
+    params = init_params()
+    with pytest.raises(TypeError, match="opt_state must be the LossScaledState"):
+        amp_core.apply_scaled_gradients(
+            inner, amp_core.DynamicLossScale(), params, inner.init(params), params
+        )
+
+
+def test_apply_scaled_gradients_with_static_scale_never_skips():
+    cfg = amp_core.StaticLossScale(loss_scale=4.0)
+    inner = optax.sgd(0.5)
+    params = {"w": jnp.ones(2)}
+    state = amp_core.with_loss_scaling(inner, cfg).init(params)
+    grads = {"w": jnp.array([4.0, jnp.inf])}
+    new_params, _ = amp_core.apply_scaled_gradients(inner, cfg, grads, state, params)
+    assert new_params["w"].tolist() == [0.5, -np.inf]

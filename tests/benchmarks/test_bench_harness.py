@@ -117,7 +117,15 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
             _assert_stats(row[key])
 
     (jax_row,) = results["jax"]
-    for key in ("adamw_ms", "dls_ms", "dls_gcc_ms", "dls_ratio", "dls_gcc_ratio"):
+    for key in (
+        "adamw_ms",
+        "dls_ms",
+        "dls_gcc_ms",
+        "dls_fused_ms",
+        "dls_ratio",
+        "dls_gcc_ratio",
+        "dls_fused_ratio",
+    ):
         _assert_stats(jax_row[key])
 
     (bw_row,) = results["bandwidth"]

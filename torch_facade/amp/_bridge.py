@@ -37,6 +37,7 @@ class FacadeStep(NamedTuple):
     result: amp_core.StepResult
     grad_scale: jax.Array
     found_inf: jax.Array
+    next_inverse_scale: jax.Array
 
 
 def _facade_step(
@@ -47,7 +48,8 @@ def _facade_step(
 ) -> FacadeStep:
     result = amp_core.check_and_update(config, state, flats, unscaled=unscaled)
     grad_scale, found_inf = amp_core.fused_optimizer_args(result)
-    return FacadeStep(result, grad_scale, found_inf)
+    next_inverse_scale = amp_core.inverse_scale(result.next_state)
+    return FacadeStep(result, grad_scale, found_inf, next_inverse_scale)
 
 
 @functools.cache

@@ -26,23 +26,28 @@ class _Stage(enum.Enum):
 
 @dataclasses.dataclass
 class _Decision:
-    """One iteration's overflow decision, taken once over every known optimizer's gradients."""
+    """One iteration's overflow decision, taken once over every known optimizer's gradients.
 
-    participants: tuple[torch.optim.Optimizer, ...]
-    isfinite: torch.Tensor
-    global_norm: torch.Tensor
+    ``outputs`` are the jitted core's results (``None`` for static scaling, which never
+    checks); they stay JAX arrays until something asks for them.
+    """
+
     # Multiplier still to be applied to each optimizer's gradients (by id), if any.
     pending: dict[int, torch.Tensor]
-    grad_scale: torch.Tensor | None = None
-    found_inf: torch.Tensor | None = None
-    next_state: amp_core.LossScaleState | None = None
+    outputs: _bridge.FacadeStep | None = None
     scale_updated: bool = False
     _host_isfinite: bool | None = None
+
+    def isfinite(self) -> torch.Tensor:
+        """The overflow flag as a 0-d bool tensor (no host synchronisation)."""
+        if self.outputs is None:
+            return torch.tensor(True)
+        return _bridge.to_torch(self.outputs.result.isfinite)
 
     def host_isfinite(self) -> bool:
         """``isfinite`` as a Python bool: a host synchronisation, done at most once."""
         if self._host_isfinite is None:
-            self._host_isfinite = bool(self.isfinite)
+            self._host_isfinite = self.outputs is None or bool(self.outputs.result.isfinite)
         return self._host_isfinite
 
 
@@ -142,6 +147,7 @@ class GradScaler:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stages: dict[torch.optim.Optimizer, _Stage] = {}
         self._arena: GradientArena | None = None
+        self._jax_flats: tuple[jax.Array, ...] = ()
         self._arena_key: tuple[Any, ...] | None = None
         self._decision: _Decision | None = None
         self._warned_dtype = False
@@ -153,10 +159,14 @@ class GradScaler:
 
     # ------------------------------------------------------------------ state
 
-    def _set_state(self, state: amp_core.LossScaleState) -> None:
+    def _set_state(
+        self, state: amp_core.LossScaleState, inverse_scale: jax.Array | None = None
+    ) -> None:
         self._state = state
         self._scale_t = _bridge.to_torch(state.loss_scale)
-        self._inv_scale_t = _bridge.to_torch(_bridge.inverse_scale(state))
+        if inverse_scale is None:
+            inverse_scale = _bridge.inverse_scale(state)
+        self._inv_scale_t = _bridge.to_torch(inverse_scale)
         # Static scaling by exactly 1 needs no arithmetic at all.
         self._identity = not self._dynamic and float(self._scale_t) == 1.0
 
@@ -236,7 +246,7 @@ class GradScaler:
         A bool tensor, without a host synchronisation.
         """
         if self._decision is not None:
-            return self._decision.isfinite
+            return self._decision.isfinite()
         return _bridge.to_torch(self._state.isfinite)
 
     def get_global_norm(self) -> torch.Tensor:
@@ -245,8 +255,8 @@ class GradScaler:
         A float32 tensor, without a host synchronisation; 0 before the first DLS step and
         for static scaling, which does not check gradients.
         """
-        if self._decision is not None:
-            return self._decision.global_norm
+        if self._decision is not None and self._decision.outputs is not None:
+            return _bridge.to_torch(self._decision.outputs.result.global_norm)
         return _bridge.to_torch(self._state.global_norm)
 
     # --------------------------------------------------------------- the loop
@@ -341,7 +351,7 @@ class GradScaler:
             if self._stages[optimizer] is _Stage.READY:
                 self._apply_pending(optimizer)
                 self._stages[optimizer] = _Stage.UNSCALED
-        return decision.isfinite
+        return decision.isfinite()
 
     def update_scale(self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
         """Applies the dynamic-loss-scaling update (SPEC section 2) for this iteration, once."""
@@ -351,8 +361,8 @@ class GradScaler:
             return
         decision = self._decide()
         if not decision.scale_updated:
-            assert decision.next_state is not None
-            self._set_state(decision.next_state)
+            assert decision.outputs is not None
+            self._set_state(decision.outputs.result.next_state, decision.outputs.next_inverse_scale)
             decision.scale_updated = True
 
     def update(self, new_scale: Any = None) -> None:
@@ -399,7 +409,6 @@ class GradScaler:
         self._optimizers.append(optimizer)
         self._stages[optimizer] = _Stage.READY
         if self._decision is not None:  # static scaling: join the decision
-            self._decision.participants += (optimizer,)
             self._decision.pending[id(optimizer)] = self._inv_scale_t
 
     def _prepare_arena(self) -> GradientArena:
@@ -416,6 +425,9 @@ class GradScaler:
             if devices:
                 self._set_state(_bridge.place_state(self._state, devices.pop()))
             self._arena, self._arena_key = arena, key
+            # Imported once per arena: the views alias torch's memory, so every step's core
+            # reads the current gradients (and never runs while torch writes them).
+            self._jax_flats = tuple(_bridge.to_jax(flat) for flat in arena.flats())
         return arena
 
     def _apply(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
@@ -446,9 +458,6 @@ class GradScaler:
         participants = tuple(self._optimizers)
         if not self._dynamic:  # static scaling never checks: apply every step
             self._decision = _Decision(
-                participants=participants,
-                isfinite=torch.tensor(True),
-                global_norm=_bridge.to_torch(self._state.global_norm),
                 pending={
                     id(o): self._inv_scale_t
                     for o in participants
@@ -463,8 +472,9 @@ class GradScaler:
                 if self._stages[optimizer] is _Stage.READY:
                     arena.mul_(index, self._inv_scale_t)
                     self._stages[optimizer] = _Stage.UNSCALED
-        flats = tuple(_bridge.to_jax(flat) for flat in arena.flats())
-        out = jax.block_until_ready(_bridge.step_core(config, unscaled)(self._state, flats))
+        out = jax.block_until_ready(
+            _bridge.step_core(config, unscaled)(self._state, self._jax_flats)
+        )
         multiplier = _bridge.to_torch(out.result.multiplier)
         if unscaled:
             pending: dict[int, torch.Tensor] = {}
@@ -473,13 +483,8 @@ class GradScaler:
         else:
             pending = {id(o): multiplier for o in participants}
         self._decision = _Decision(
-            participants=participants,
-            isfinite=_bridge.to_torch(out.result.isfinite),
-            global_norm=_bridge.to_torch(out.result.global_norm),
             pending=pending,
-            grad_scale=_bridge.to_torch(out.grad_scale),
-            found_inf=_bridge.to_torch(out.found_inf),
-            next_state=out.result.next_state,
+            outputs=out,
         )
         return self._decision
 
@@ -506,8 +511,9 @@ class GradScaler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        optimizer.grad_scale = decision.grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = decision.found_inf  # type: ignore[attr-defined]
+        assert decision.outputs is not None
+        optimizer.grad_scale = _bridge.to_torch(decision.outputs.grad_scale)  # type: ignore[attr-defined]
+        optimizer.found_inf = _bridge.to_torch(decision.outputs.found_inf)  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
         finally:
