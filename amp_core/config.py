@@ -207,7 +207,7 @@ def _default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _real(name: str, value: Any) -> float:
+def real_number(name: str, value: Any) -> float:
     """Converts numbers and 0-d arrays or tensors to float; anything else is a TypeError."""
     if isinstance(value, (bool, str, bytes)) or value is None:
         raise TypeError(f"{name} must be a real number; got {value!r} ({type(value).__name__})")
@@ -220,14 +220,14 @@ def _real(name: str, value: Any) -> float:
 
 
 def _positive_finite(name: str, value: Any) -> float:
-    number = _real(name, value)
+    number = real_number(name, value)
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{name} must be a positive finite number; got {value!r}")
     return number
 
 
 def _non_negative_finite(name: str, value: Any) -> float:
-    number = _real(name, value)
+    number = real_number(name, value)
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"{name} must be a finite number >= 0; got {value!r}")
     return number

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from amp_core.config import LossScaleConfig
+from amp_core.config import LossScaleConfig, real_number
 
 COUNTER_DTYPE = jnp.int32
 """Integer dtype of the step counters inside JAX (``state_dict`` returns Python ints)."""
@@ -141,24 +141,15 @@ def from_state_dict(
     return state._replace(**updates)
 
 
-def _as_python_number(key: str, value: Any) -> float:
-    if isinstance(value, (bool, str, bytes)) or value is None:
-        raise TypeError(f"state_dict[{key!r}] must be a number; got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise TypeError(f"state_dict[{key!r}] must be a number; got {value!r}") from err
-
-
 def _checkpoint_scale(value: Any) -> float:
-    number = _as_python_number("loss_scale", value)
+    number = real_number("state_dict['loss_scale']", value)
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"state_dict['loss_scale'] must be positive and finite; got {value!r}")
     return number
 
 
 def _checkpoint_count(key: str, value: Any) -> int:
-    number = _as_python_number(key, value)
+    number = real_number(f"state_dict[{key!r}]", value)
     if not (math.isfinite(number) and number >= 0 and number.is_integer()):
         raise ValueError(f"state_dict[{key!r}] must be a non-negative integer; got {value!r}")
     if number > jnp.iinfo(COUNTER_DTYPE).max:
