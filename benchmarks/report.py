@@ -11,15 +11,15 @@ MARKDOWN_NAME = "bench.md"
 JSON_NAME = "bench.json"
 
 
-def _num(value: float) -> str:
+def _num(value: float | None) -> str:
     """Three significant digits, without an exponent.
 
     Example:
         >>> from benchmarks.report import _num
-        >>> _num(12.345), _num(0.012345), _num(1234.5), _num(float("nan"))
-        ('12.3', '0.0123', '1234', 'n/a')
+        >>> _num(12.345), _num(0.012345), _num(1234.5), _num(float("nan")), _num(None)
+        ('12.3', '0.0123', '1234', 'n/a', 'n/a')
     """
-    if not math.isfinite(value):
+    if value is None or not math.isfinite(value):  # None: undefined (null in the JSON)
         return "n/a"
     if abs(value) < 1e-9:
         return "0"
