@@ -80,16 +80,46 @@ def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.
     optimizer would see), and squared and summed in float32. A finite value whose square
     overflows float32 (``|g| >= ~1.8e19``) gives ``inf``. An empty tree has norm 0.
 
+    float32 leaves are read once, as ``inv_scale**2 * sum(g * g)``: for a power-of-two scale
+    (every dynamic scale is one, unless ``init_scale`` is not) that is exactly
+    ``sum((g * inv_scale)**2)``, since scaling by a power of two commutes with rounding; for
+    other scales it differs by rounding only. Only when the raw squares overflow (an inf or NaN
+    gradient, or a finite scaled one of ~1.8e19 or more) are the unscaled squares summed
+    instead, in a second read under ``lax.cond``, so that the result is the norm of the
+    *unscaled* gradients in every case.
+
     Example:
         >>> import amp_core, jax.numpy as jnp
         >>> float(amp_core.global_norm_of_unscaled([jnp.array([6.0, 8.0])], 0.5))
         5.0
     """
     inv = jnp.asarray(inv_scale, jnp.float32)
+    leaves = _float_leaves(grads)
     total = jnp.zeros((), jnp.float32)
-    for grad in _float_leaves(grads):
-        total = total + jnp.sum(jnp.square(_unscaled(grad, inv).astype(jnp.float32)))
+    for grad in leaves:
+        if grad.dtype != jnp.float32:
+            total = total + jnp.sum(jnp.square(_unscaled(grad, inv).astype(jnp.float32)))
+    float32_leaves = [g for g in leaves if g.dtype == jnp.float32]
+    if float32_leaves:
+        total = total + _sum_of_unscaled_squares(float32_leaves, inv)
     return jnp.sqrt(total)
+
+
+def _sum_of_unscaled_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
+    """``sum((g * inv)**2)`` over float32 leaves, from one read of the scaled values."""
+    raw = _sum_of_squares(leaves)
+
+    def unscaled_squares() -> jax.Array:
+        return _sum_of_squares([g * inv for g in leaves])
+
+    return jax.lax.cond(jnp.isfinite(raw), lambda: raw * (inv * inv), unscaled_squares)
+
+
+def _sum_of_squares(leaves: list[jax.Array]) -> jax.Array:
+    total = jnp.zeros((), jnp.float32)
+    for leaf in leaves:
+        total = total + jnp.sum(jnp.square(leaf))
+    return total
 
 
 def clip_coefficient(global_norm: jax.Array, max_gradient_norm: float) -> jax.Array:

@@ -400,3 +400,47 @@ def test_fused_optimizer_args_are_scale_and_found_inf(max_gradient_norm, bad):
     step_result = amp_core.check_and_update(cfg, amp_core.init(cfg), grads)
     _, found_inf_of_step = amp_core.fused_optimizer_args(step_result)
     assert float(found_inf_of_step) == float(found_inf)
+
+
+# -- the one-read norm of float32 leaves ----------------------------------------------------------
+
+
+def _exact_sum_of_unscaled_squares(leaves, inv):
+    total = jnp.zeros((), jnp.float32)
+    for leaf in leaves:
+        total = total + jnp.sum(jnp.square(leaf * inv))
+    return total
+
+
+@pytest.mark.parametrize("exponent", [-31, -15, 0, 3, 14])
+def test_float32_norm_read_once_equals_the_unscaled_squares_bit_for_bit(exponent):
+    rng = np.random.default_rng(exponent + 40)
+    leaves = [
+        jnp.asarray(rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 6), jnp.float32)
+        for shape in [(1000,), (33, 17), (4096,)]
+    ]
+    inv = jnp.float32(2.0**exponent)
+    ours = jax.jit(amp_core.global_norm_of_unscaled)(leaves, inv)
+    exact = jax.jit(lambda g, i: jnp.sqrt(_exact_sum_of_unscaled_squares(g, i)))(leaves, inv)
+    assert np.asarray(ours).tobytes() == np.asarray(exact).tobytes()
+
+
+def test_scaled_values_whose_squares_overflow_still_give_the_unscaled_norm():
+    # 1e20 squared overflows float32, but the unscaled value 1e20 * 2**-20 ~ 9.5e13 does not.
+    grads = [jnp.array([1e20, -1e20, 3.0], jnp.float32)]
+    inv = jnp.float32(2.0**-20)
+    norm = float(amp_core.global_norm_of_unscaled(grads, inv))
+    expected = float(np.sqrt(2.0) * np.float64(np.float32(1e20)) * 2.0**-20)
+    assert np.isfinite(norm)
+    np.testing.assert_allclose(norm, expected, rtol=1e-6)
+    cfg = amp_core.DynamicLossScale(init_scale=2.0**20, max_loss_scale=2.0**20)
+    assert bool(amp_core.check_grads(cfg, amp_core.init(cfg), grads).isfinite)
+
+
+def test_norm_with_a_scale_that_is_not_a_power_of_two_is_exact_to_rounding():
+    rng = np.random.default_rng(7)
+    leaves = [jnp.asarray(rng.standard_normal(5000), jnp.float32)]
+    inv = jnp.float32(1.0 / 3.0)
+    ours = float(amp_core.global_norm_of_unscaled(leaves, inv))
+    exact = float(np.sqrt(np.sum((np.asarray(leaves[0], np.float64) * float(inv)) ** 2)))
+    np.testing.assert_allclose(ours, exact, rtol=1e-6)
