@@ -11,6 +11,8 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
+
 from hardware.half_dtypes import (
     DEFAULT_HALF_DTYPE,
     MIN_LOSS_SCALE_FLOOR,
@@ -41,11 +43,6 @@ class StaticLossScale:
     def is_dynamic(self) -> bool:
         """Always ``False``."""
         return False
-
-    @property
-    def init_scale(self) -> float:
-        """The scale the state starts with (the static scale itself)."""
-        return self.loss_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +136,9 @@ class DynamicLossScale:
         return self.max_gradient_norm is not None
 
 
+_MAX_COUNTER = int(np.iinfo(np.int32).max)
+"""Step counters are int32 in the state: ``steps_per_increase`` must fit."""
+
 LossScaleConfig = StaticLossScale | DynamicLossScale
 """Either kind of loss-scaling configuration."""
 
@@ -220,9 +220,15 @@ def real_number(name: str, value: Any) -> float:
 
 
 def _positive_finite(name: str, value: Any) -> float:
+    """A number that stays positive and finite in float32, where scales and norms live."""
     number = real_number(name, value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        as_float32 = float(np.float32(number)) if math.isfinite(number) else number
+    if not (math.isfinite(as_float32) and as_float32 > 0):
+        raise ValueError(
+            f"{name} must be a positive number that is finite and nonzero in float32 "
+            f"(about 1.4e-45 to 3.4e38); got {value!r}"
+        )
     return number
 
 
@@ -244,6 +250,6 @@ def _positive_int(name: str, value: Any) -> int:
         raise ValueError(f"{name} must be a whole number; got {value!r}")
     else:
         raise TypeError(f"{name} must be an integer; got {value!r} ({type(value).__name__})")
-    if number < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    if not 1 <= number <= _MAX_COUNTER:
+        raise ValueError(f"{name} must be an integer from 1 to {_MAX_COUNTER}; got {value!r}")
     return number

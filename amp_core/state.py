@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from amp_core.config import LossScaleConfig, real_number
 
@@ -143,8 +144,13 @@ def from_state_dict(
 
 def _checkpoint_scale(value: Any) -> float:
     number = real_number("state_dict['loss_scale']", value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"state_dict['loss_scale'] must be positive and finite; got {value!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        as_float32 = float(np.float32(number)) if math.isfinite(number) else number
+    if not (math.isfinite(as_float32) and as_float32 > 0):
+        raise ValueError(
+            "state_dict['loss_scale'] must be positive and finite in float32; "
+            f"got {value!r}"
+        )
     return number
 
 

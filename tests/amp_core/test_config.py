@@ -333,3 +333,24 @@ def test_amp_core_tests_run_under_strict_dtype_promotion():
     assert jax.config.jax_numpy_dtype_promotion == "strict"
     with pytest.raises(jax.dtypes.TypePromotionError):
         jnp.ones(2, jnp.float16) + jnp.ones(2, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"loss_scale": 1e39}, "loss_scale"),
+        ({"loss_scale": 1e-46}, "loss_scale"),
+        ({"loss_scale": "dynamic", "init_scale": 1e39}, "init_scale"),
+        ({"loss_scale": "dynamic", "max_loss_scale": 1e39}, "max_loss_scale"),
+        ({"loss_scale": "dynamic", "steps_per_increase": 2**31}, "steps_per_increase"),
+    ],
+)
+def test_values_that_do_not_fit_the_float32_or_int32_state_are_rejected(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        amp_core.make_config(**kwargs)
+
+
+def test_a_checkpoint_scale_beyond_float32_is_rejected():
+    cfg = amp_core.DynamicLossScale()
+    with pytest.raises(ValueError, match="loss_scale"):
+        amp_core.from_state_dict(cfg, amp_core.init(cfg), {"loss_scale": 1e39})

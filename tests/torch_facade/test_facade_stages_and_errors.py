@@ -363,3 +363,53 @@ def test_update_without_a_step_since_the_last_update_raises() -> None:
     with pytest.raises(RuntimeError, match="without a step"):
         scaler.update()
     assert int(scaler.state_dict()["steps_since_rescale"]) == steps
+
+
+def test_backward_after_the_decision_raises_instead_of_stepping_unchecked_gradients() -> None:
+    """GAN-style alternation: G's gradients arrive after the decision taken at step(D)."""
+    disc, gen = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", optimizers=[opt_d, opt_g])
+    before = gen.weight.detach().clone()
+    opt_d.zero_grad()
+    scaler.scale(disc(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt_d)
+    opt_g.zero_grad()
+    scaler.scale(gen(torch.full((1, 2), float("inf"))).sum()).backward()
+    with pytest.raises(RuntimeError, match="after this iteration's overflow decision"):
+        scaler.step(opt_g)
+    assert torch.equal(gen.weight, before)
+
+
+def test_load_state_dict_between_scale_and_step_raises() -> None:
+    model = torch.nn.Linear(2, 1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    with pytest.raises(RuntimeError, match="between iterations"):
+        scaler.load_state_dict({"loss_scale": 2.0})
+
+
+def test_update_rejects_only_a_truthy_new_scale() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+    for new_scale in (None, 0, 0.0, torch.tensor(0.0)):
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update(new_scale=new_scale)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(optimizer)
+    for new_scale in (2.0, torch.tensor(4.0), torch.ones(2)):
+        with pytest.raises(ValueError, match="new_scale"):
+            scaler.update(new_scale=new_scale)
+
+
+def test_optimizer_step_rejects_the_same_optimizer_twice_before_backward() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+    loss = model(torch.ones(1, 2)).sum()
+    with pytest.raises(ValueError, match="more than once"):
+        cstorch.amp.optimizer_step(loss, [optimizer, optimizer], scaler)
+    assert all(p.grad is None for p in model.parameters())

@@ -1,4 +1,4 @@
-"""Gradients as views of flat, aligned buffers: one DLPack import per dtype group and step.
+"""Gradients as views of flat, aligned buffers: a few zero-copy arrays for JAX, not one per tensor.
 
 Importing a torch tensor into JAX costs tens of microseconds, so a per-gradient design pays that
 once per parameter and step. Instead, the :class:`GradientArena` owns one flat buffer per

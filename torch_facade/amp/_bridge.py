@@ -6,7 +6,6 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import torch
 
 import amp_core
@@ -60,18 +59,6 @@ def step_core(config: amp_core.LossScaleConfig, unscaled: bool) -> Any:
     and returns a handful of scalars, so no large XLA output is ever allocated.
     """
     return jax.jit(functools.partial(_facade_step, config, unscaled))
-
-
-@functools.cache
-def _update_core(config: amp_core.LossScaleConfig) -> Any:
-    return jax.jit(functools.partial(amp_core.update, config))
-
-
-def update_state(
-    config: amp_core.LossScaleConfig, state: amp_core.LossScaleState, isfinite: jax.Array
-) -> amp_core.LossScaleState:
-    """The jitted SPEC section 2 update, for an overflow flag computed elsewhere."""
-    return _update_core(config)(state, jnp.asarray(isfinite, jnp.bool_))
 
 
 @functools.cache

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import numbers
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,6 +68,13 @@ def _optimizer_list(value: Any, argument: str) -> list[torch.optim.Optimizer]:
     )
 
 
+def _truthy(value: Any) -> bool:
+    try:
+        return bool(value)
+    except (RuntimeError, ValueError, TypeError):  # e.g. a tensor of several elements
+        return True
+
+
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -86,11 +93,17 @@ class GradScaler:
     of them skips all. An optimizer becomes known when it is passed to any method (or to
     ``optimizers=`` here) and stays known.
 
-    Host synchronisation: ``step`` reads ``isfinite`` on the host once per iteration, except for
-    optimizers with a fused unscale-and-skip kernel (``Adam``/``AdamW``/``SGD`` with
-    ``fused=True``, once their state exists), which get the scale and the overflow flag as
-    tensors and never synchronise. ``state_dict`` synchronises. ``get_isfinite`` and
-    ``get_global_norm`` return tensors and never do.
+    Host synchronisation: the first ``step`` of an iteration waits for the jitted check (it reads
+    the gradients, so torch must not write them meanwhile; on the CPU this is just the
+    computation, on a GPU a wait for the device). Non-fused optimizers also read ``isfinite`` as
+    a Python bool, once per iteration. Optimizers with a fused unscale-and-skip kernel
+    (``Adam``/``AdamW``/``SGD`` with ``fused=True``, once their state exists) get the scale and
+    the overflow flag as tensors instead. ``state_dict`` synchronises. ``get_isfinite`` and
+    ``get_global_norm`` return tensors.
+
+    A backward pass after the iteration's first ``step`` (alternating losses, as in GAN loops)
+    raises a ``RuntimeError`` at the next scaler call: its gradients were not part of the
+    decision. Use one scaler per optimizer for such loops.
 
     Args:
         loss_scale: ``"dynamic"`` for DLS; otherwise the static scale (``None`` means ``1.0``).
@@ -148,6 +161,9 @@ class GradScaler:
         self._stages: dict[torch.optim.Optimizer, _Stage] = {}
         self._arena: GradientArena | None = None
         self._jax_flats: tuple[jax.Array, ...] = ()
+        self._grad_hooks: list[Any] = []
+        self._late_gradients = False  # a backward ran after this iteration's decision
+        self._scaled = False  # scale() was called since the last update()
         self._arena_key: tuple[Any, ...] | None = None
         self._decision: _Decision | None = None
         self._warned_dtype = False
@@ -215,10 +231,11 @@ class GradScaler:
             >>> scaler.get_scale()
             tensor(1024.)
         """
-        if self._decision is not None or any(s is not _Stage.READY for s in self._stages.values()):
+        busy = self._scaled or any(s is not _Stage.READY for s in self._stages.values())
+        if busy or self._decision is not None:
             raise RuntimeError(
-                "load_state_dict() must be called between iterations, not between step() and "
-                "update()"
+                "load_state_dict() must be called between iterations (after update()), not "
+                "between scale() and update(): the gradients were scaled with the old scale"
             )
         state = amp_core.from_state_dict(self._config, self._state, state_dict)
         self._set_state(jax.device_put(state, next(iter(self._state.loss_scale.devices()))))
@@ -269,6 +286,7 @@ class GradScaler:
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor; got {type(loss).__name__}")
+        self._scaled = True
         if self._identity:
             return loss.float()
         return loss.float() * self._scale_t.to(loss.device, non_blocking=True)
@@ -373,7 +391,7 @@ class GradScaler:
             RuntimeError: DLS, and nothing was unscaled or stepped since the last ``update()``
                 (there is no overflow check to update from; torch's scaler raises here too).
         """
-        if new_scale is not None and not (isinstance(new_scale, numbers.Number) and not new_scale):
+        if new_scale is not None and _truthy(new_scale):
             raise ValueError("GradScaler.update() does not support providing a `new_scale`")
         if self._dynamic:
             idle = all(stage is _Stage.READY for stage in self._stages.values())
@@ -384,6 +402,7 @@ class GradScaler:
                 )
             self.update_scale(self._optimizers)
         self._decision = None
+        self._late_gradients = self._scaled = False
         for optimizer in self._stages:
             self._stages[optimizer] = _Stage.READY
 
@@ -425,10 +444,36 @@ class GradScaler:
             if devices:
                 self._set_state(_bridge.place_state(self._state, devices.pop()))
             self._arena, self._arena_key = arena, key
-            # Imported once per arena: the views alias torch's memory, so every step's core
-            # reads the current gradients (and never runs while torch writes them).
-            self._jax_flats = tuple(_bridge.to_jax(flat) for flat in arena.flats())
+            self._watch_late_gradients([p for o in self._optimizers for p in _params(o)])
+            # On the CPU the flats are imported once per arena: the views alias torch's memory,
+            # so every step's core reads the current gradients (and never runs while torch
+            # writes them). Elsewhere they are imported each step, so that DLPack orders the
+            # read after torch's pending work on the device's stream.
+            self._jax_flats = self._import_flats(arena)
+        elif arena.groups and arena.groups[0].device.type != "cpu":
+            self._jax_flats = self._import_flats(arena)
         return arena
+
+    @staticmethod
+    def _import_flats(arena: GradientArena) -> tuple[jax.Array, ...]:
+        return tuple(_bridge.to_jax(flat) for flat in arena.flats())
+
+    def _watch_late_gradients(self, params: list[torch.Tensor]) -> None:
+        """Hooks every parameter so that a backward after the decision is caught, not ignored."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        scaler = weakref.ref(self)
+
+        def on_gradient(_: torch.Tensor) -> None:
+            owner = scaler()
+            if owner is not None and owner._decision is not None:
+                owner._late_gradients = True
+
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(on_gradient)
+            for p in params
+            if p.requires_grad and p.is_leaf
+        ]
 
     def _apply(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         if self._dynamic:
@@ -451,6 +496,14 @@ class GradScaler:
         ``optimizer_step(..., max_gradient_norm=...)`` uses it.
         """
         if self._decision is not None:
+            if self._late_gradients:
+                raise RuntimeError(
+                    "a backward pass accumulated gradients after this iteration's overflow "
+                    "decision, which was taken over every optimizer's gradients at the first "
+                    "step(): those gradients were never checked. Run every backward pass of an "
+                    "iteration before the first step() (as one loss over all models), or use one "
+                    "GradScaler per optimizer for alternating losses (GAN-style loops)."
+                )
             return self._decision
         config = self._config
         if clip_norm is not None:

@@ -64,6 +64,8 @@ def optimizer_step(
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a torch.Tensor; got {type(loss).__name__}")
     optimizers = _optimizer_list(optimizer, "optimizer")
+    if len(set(map(id, optimizers))) != len(optimizers):
+        raise ValueError("optimizer lists the same optimizer more than once")
     if not isinstance(grad_scaler, GradScaler):
         raise TypeError(
             f"grad_scaler must be a torch_facade.amp.GradScaler; got {type(grad_scaler).__name__}"
