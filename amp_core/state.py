@@ -148,8 +148,7 @@ def _checkpoint_scale(value: Any) -> float:
         as_float32 = float(np.float32(number)) if math.isfinite(number) else number
     if not (math.isfinite(as_float32) and as_float32 > 0):
         raise ValueError(
-            "state_dict['loss_scale'] must be positive and finite in float32; "
-            f"got {value!r}"
+            f"state_dict['loss_scale'] must be positive and finite in float32; got {value!r}"
         )
     return number
 
