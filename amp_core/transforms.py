@@ -180,7 +180,8 @@ def loss_scale_state(opt_state: Any) -> LossScaleState:
 
     Example:
         >>> import amp_core, jax.numpy as jnp, optax
-        >>> tx = optax.chain(optax.clip(1.0), amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.DynamicLossScale()))
+        >>> scaled = amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.DynamicLossScale())
+        >>> tx = optax.chain(scaled, optax.scale(0.5))  # loss scaling first: it unscales
         >>> float(amp_core.loss_scale_state(tx.init(jnp.zeros(2))).loss_scale)
         32768.0
     """
