@@ -15,6 +15,10 @@ HALF_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "cbfloat16")
 DEFAULT_HALF_DTYPE = "float16"
 
 
+MIN_LOSS_SCALE_FLOOR = 2.0**-14
+"""The smallest ``min_loss_scale`` dynamic loss scaling accepts (SPEC section 1)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LossScaleDefaults:
     """Dynamic-loss-scaling defaults for one half dtype (SPEC section 1).
@@ -28,7 +32,7 @@ class LossScaleDefaults:
 
     init_scale: float
     max_loss_scale: float
-    min_loss_scale: float = 2.0**-14
+    min_loss_scale: float = MIN_LOSS_SCALE_FLOOR
     steps_per_increase: int = 2000
 
 
@@ -37,9 +41,6 @@ _LOSS_SCALE_DEFAULTS: dict[str, LossScaleDefaults] = {
     "bfloat16": LossScaleDefaults(init_scale=2.0**15, max_loss_scale=2.0**15),
     "cbfloat16": LossScaleDefaults(init_scale=2.0**31, max_loss_scale=2.0**31),
 }
-
-MIN_LOSS_SCALE_FLOOR = 2.0**-14
-"""The smallest ``min_loss_scale`` dynamic loss scaling accepts (SPEC section 1)."""
 
 
 def canonical_half_dtype(value: Any, *, argument: str = "half_dtype") -> str:

@@ -477,7 +477,11 @@ class GradScaler:
 
     def _apply(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         if self._dynamic:
-            self._prepare_arena().mul_(self._optimizers.index(optimizer), multiplier)
+            # After the decision the arena was validated for this iteration (and a later
+            # backward is caught by the gradient hooks), so it is not re-checked per optimizer.
+            arena = self._arena if self._decision is not None else None
+            arena = arena or self._prepare_arena()
+            arena.mul_(self._optimizers.index(optimizer), multiplier)
         elif not self._identity:
             grads = [p.grad for p in _params(optimizer) if p.grad is not None]
             if grads:
