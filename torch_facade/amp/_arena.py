@@ -31,15 +31,10 @@ class _Slot:
     memory: torch.Tensor  # the arena's own view of the slot; never handed out
     view: torch.Tensor  # the tensor installed as ``param.grad`` (its storage is ``memory``)
     live: bool  # the slot holds a gradient (else it is known to be all zeros)
+    address: int = 0  # ``memory.data_ptr()``, which never changes
 
-    def holds_grad(self) -> bool:
-        """Whether ``param.grad`` is the installed tensor and still lives in the slot.
-
-        ``grad.data = other`` (which ``module.to(...)`` does) keeps the object but moves its
-        storage out of the arena; the address check catches that.
-        """
-        grad = self.param.grad
-        return grad is self.view and grad.data_ptr() == self.memory.data_ptr()
+    def __post_init__(self) -> None:
+        self.address = self.memory.data_ptr()
 
 
 @dataclasses.dataclass
@@ -161,7 +156,10 @@ class GradientArena:
             the arena must then be rebuilt.
         """
         for slot in self.slots:
-            if slot.holds_grad():
+            # Still the installed tensor, and still in the slot: ``grad.data = other`` (which
+            # ``module.to(...)`` does) keeps the object but moves its storage out of the arena.
+            grad = slot.param.grad
+            if grad is slot.view and grad.data_ptr() == slot.address:
                 slot.live = True
             elif not self._adopt(slot):
                 return False

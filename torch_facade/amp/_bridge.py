@@ -6,6 +6,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import torch
 
 import amp_core
@@ -31,12 +32,26 @@ def place_state(state: amp_core.LossScaleState, torch_device: torch.device) -> A
 
 
 class FacadeStep(NamedTuple):
-    """The outputs of one jitted core call, still as JAX arrays."""
+    """The outputs of one jitted core call, still as JAX arrays.
 
-    result: amp_core.StepResult
-    grad_scale: jax.Array
-    found_inf: jax.Array
-    next_inverse_scale: jax.Array
+    The five float32 numbers torch needs every step are packed into ``scalars`` so that they
+    cross into torch with one DLPack export (see :class:`StepScalars`), not five.
+    """
+
+    next_state: amp_core.LossScaleState
+    isfinite: jax.Array
+    global_norm: jax.Array
+    scalars: jax.Array  # float32[5], in the field order of StepScalars
+
+
+class StepScalars(NamedTuple):
+    """Torch views of :attr:`FacadeStep.scalars` (0-d float32 tensors, no copies)."""
+
+    multiplier: torch.Tensor  # what this step's gradients are multiplied by
+    grad_scale: torch.Tensor  # ``1 / multiplier``, for fused optimizers
+    found_inf: torch.Tensor  # 1.0 on overflow, for fused optimizers
+    loss_scale: torch.Tensor  # the next state's loss scale
+    inverse_scale: torch.Tensor  # ``1 / loss_scale``
 
 
 def _facade_step(
@@ -47,8 +62,22 @@ def _facade_step(
 ) -> FacadeStep:
     result = amp_core.check_and_update(config, state, flats, unscaled=unscaled)
     grad_scale, found_inf = amp_core.fused_optimizer_args(result)
-    next_inverse_scale = amp_core.inverse_scale(result.next_state)
-    return FacadeStep(result, grad_scale, found_inf, next_inverse_scale)
+    next_state = result.next_state
+    scalars = jnp.stack(
+        [
+            result.multiplier,
+            grad_scale,
+            found_inf,
+            next_state.loss_scale,
+            amp_core.inverse_scale(next_state),
+        ]
+    )
+    return FacadeStep(next_state, result.isfinite, result.global_norm, scalars)
+
+
+def step_scalars(step: FacadeStep) -> StepScalars:
+    """Waits for the core call and views its scalars from torch (one DLPack export)."""
+    return StepScalars(*to_torch(step.scalars.block_until_ready()).unbind())
 
 
 @functools.cache

@@ -28,13 +28,15 @@ class _Stage(enum.Enum):
 class _Decision:
     """One iteration's overflow decision, taken once over every known optimizer's gradients.
 
-    ``outputs`` are the jitted core's results (``None`` for static scaling, which never
-    checks); they stay JAX arrays until something asks for them.
+    ``outputs`` are the jitted core's results and ``scalars`` torch's views of the numbers it
+    needs every step (both ``None`` for static scaling, which never checks); the flag and the
+    norm stay JAX arrays until something asks for them.
     """
 
     # Multiplier still to be applied to each optimizer's gradients (by id), if any.
     pending: dict[int, torch.Tensor]
     outputs: _bridge.FacadeStep | None = None
+    scalars: _bridge.StepScalars | None = None
     scale_updated: bool = False
     _host_isfinite: bool | None = None
 
@@ -42,12 +44,12 @@ class _Decision:
         """The overflow flag as a 0-d bool tensor (no host synchronisation)."""
         if self.outputs is None:
             return torch.tensor(True)
-        return _bridge.to_torch(self.outputs.result.isfinite)
+        return _bridge.to_torch(self.outputs.isfinite)
 
     def host_isfinite(self) -> bool:
         """``isfinite`` as a Python bool: a host synchronisation, done at most once."""
         if self._host_isfinite is None:
-            self._host_isfinite = self.outputs is None or bool(self.outputs.result.isfinite)
+            self._host_isfinite = self.outputs is None or bool(self.outputs.isfinite)
         return self._host_isfinite
 
 
@@ -176,13 +178,17 @@ class GradScaler:
     # ------------------------------------------------------------------ state
 
     def _set_state(
-        self, state: amp_core.LossScaleState, inverse_scale: jax.Array | None = None
+        self,
+        state: amp_core.LossScaleState,
+        scalars: _bridge.StepScalars | None = None,
     ) -> None:
+        """Adopts ``state``; ``scalars`` (from the core call that produced it) spare two exports."""
         self._state = state
-        self._scale_t = _bridge.to_torch(state.loss_scale)
-        if inverse_scale is None:
-            inverse_scale = _bridge.inverse_scale(state)
-        self._inv_scale_t = _bridge.to_torch(inverse_scale)
+        if scalars is None:
+            self._scale_t = _bridge.to_torch(state.loss_scale)
+            self._inv_scale_t = _bridge.to_torch(_bridge.inverse_scale(state))
+        else:
+            self._scale_t, self._inv_scale_t = scalars.loss_scale, scalars.inverse_scale
         # Static scaling by exactly 1 needs no arithmetic at all.
         self._identity = not self._dynamic and float(self._scale_t) == 1.0
 
@@ -273,7 +279,7 @@ class GradScaler:
         for static scaling, which does not check gradients.
         """
         if self._decision is not None and self._decision.outputs is not None:
-            return _bridge.to_torch(self._decision.outputs.result.global_norm)
+            return _bridge.to_torch(self._decision.outputs.global_norm)
         return _bridge.to_torch(self._state.global_norm)
 
     # --------------------------------------------------------------- the loop
@@ -380,7 +386,7 @@ class GradScaler:
         decision = self._decide()
         if not decision.scale_updated:
             assert decision.outputs is not None
-            self._set_state(decision.outputs.result.next_state, decision.outputs.next_inverse_scale)
+            self._set_state(decision.outputs.next_state, decision.scalars)
             decision.scale_updated = True
 
     def update(self, new_scale: Any = None) -> None:
@@ -529,10 +535,9 @@ class GradScaler:
                 if self._stages[optimizer] is _Stage.READY:
                     arena.mul_(index, self._inv_scale_t)
                     self._stages[optimizer] = _Stage.UNSCALED
-        out = jax.block_until_ready(
-            _bridge.step_core(config, unscaled)(self._state, self._jax_flats)
-        )
-        multiplier = _bridge.to_torch(out.result.multiplier)
+        out = _bridge.step_core(config, unscaled)(self._state, self._jax_flats)
+        scalars = _bridge.step_scalars(out)  # waits: torch must not write the grads meanwhile
+        multiplier = scalars.multiplier
         if unscaled:
             pending: dict[int, torch.Tensor] = {}
             if config.clips:
@@ -542,6 +547,7 @@ class GradScaler:
         self._decision = _Decision(
             pending=pending,
             outputs=out,
+            scalars=scalars,
         )
         return self._decision
 
@@ -554,10 +560,13 @@ class GradScaler:
             return False
         if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
             return False
+        # By id: hashing a tensor key goes through Python (``Tensor.__hash__``), once per param.
+        with_state = {id(param) for param, state in optimizer.state.items() if state}
         for group in optimizer.param_groups:
-            stateless = isinstance(optimizer, torch.optim.SGD) and not group.get("momentum")
+            if isinstance(optimizer, torch.optim.SGD) and not group.get("momentum"):
+                continue  # stateless
             for param in group["params"]:
-                if param.grad is not None and not stateless and not optimizer.state.get(param):
+                if param.grad is not None and id(param) not in with_state:
                     return False
         return True
 
@@ -568,9 +577,9 @@ class GradScaler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        assert decision.outputs is not None
-        optimizer.grad_scale = _bridge.to_torch(decision.outputs.grad_scale)  # type: ignore[attr-defined]
-        optimizer.found_inf = _bridge.to_torch(decision.outputs.found_inf)  # type: ignore[attr-defined]
+        assert decision.scalars is not None
+        optimizer.grad_scale = decision.scalars.grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = decision.scalars.found_inf  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
         finally:
