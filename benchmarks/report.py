@@ -52,6 +52,14 @@ BUSY_CORES = 0.25
 """Other processes using more than this many cores on average make the report carry a warning."""
 
 
+def _thread_note(meta: dict[str, Any]) -> str:
+    """The thread-pool settings of the run: they move the facade/torch ratios (README)."""
+    env = meta.get("env") or {}
+    if not env:
+        return "Thread settings: none in the environment (OpenMP and XLA defaults)."
+    return "Thread settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + "."
+
+
 def _load_note(meta: dict[str, Any], sizes: dict[str, Any]) -> list[str]:
     """How busy the machine was with other processes, and a warning when it was."""
     other = meta.get("other_cpu_cores")
@@ -88,6 +96,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{meta['optax']}; {meta['rounds']} rounds, variants interleaved round by round in one "
         f"process; every cell is median [min, max] over rounds, a round being the median of "
         f"its steps; wall time {meta.get('wall_seconds', math.nan):.0f} s.",
+        "",
+        _thread_note(meta),
         "",
         "Sizes: "
         + "; ".join(

@@ -62,6 +62,8 @@ class BenchOptions:
 FLOOR_MODELS: dict[tuple[str, bool], tuple[int, str]] = {
     ("SGD foreach", False): (8, "unscale+check in one read+write pass"),
     ("SGD foreach", True): (12, "read for the norm, then one read+write pass for unscale+clip"),
+    ("SGD fused", False): (4, "one read-only pass; the scale goes to the fused optimizer"),
+    ("SGD fused", True): (4, "one read-only pass; scale and clip go to the fused optimizer"),
     ("AdamW fused", False): (4, "one read-only pass; the scale goes to the fused optimizer"),
     ("AdamW fused", True): (4, "one read-only pass; scale and clip go to the fused optimizer"),
 }
@@ -199,6 +201,10 @@ def _load() -> list[float] | None:
         return None
 
 
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "XLA_FLAGS")
+"""Environment variables that change the thread pools' behaviour; the report lists those set."""
+
+
 def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -212,7 +218,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "jax_devices": [str(d) for d in jax.devices()],
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "XLA_FLAGS") if k in os.environ},
+        "env": {k: os.environ[k] for k in THREAD_SETTINGS if k in os.environ},
         "load_average_start": _load(),
         "rounds": options.rounds,
         "warmup_steps": options.warmup,

@@ -25,6 +25,7 @@ BIG_NORM = 1e6
 
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "SGD foreach": lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, foreach=True),
+    "SGD fused": lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, fused=True),
     "AdamW fused": lambda params: torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True),
 }
 """The optimizers compared, by the name used in the tables."""

@@ -133,7 +133,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     _assert_stats(bw_row["inplace_gbps"])
     _assert_stats(bw_row["read_gbps"])
 
-    assert len(results["floor"]) == 4
+    assert len(results["floor"]) == 2 * len(torch_bench.OPTIMIZERS)
     for row in results["floor"]:
         assert row["bytes_per_param"] in (4, 8, 12)
         for key in ("model", "floor_ms", "torch_overhead_ms", "facade_overhead_ms"):
@@ -200,6 +200,14 @@ def test_markdown_reports_machine_sharing(results: dict[str, Any]) -> None:
     assert "Other processes kept 0.00 of" in report.markdown(quiet)
     assert "machine was shared" not in report.markdown(quiet)
     assert "machine was shared" in report.markdown(busy)
+
+
+def test_markdown_states_thread_settings(results: dict[str, Any]) -> None:
+    none = {**results, "meta": {**results["meta"], "env": {}}}
+    tuned = {**results, "meta": {**results["meta"], "env": {"GOMP_SPINCOUNT": "3000"}}}
+    assert "Thread settings: none in the environment" in report.markdown(none)
+    assert "Thread settings: `GOMP_SPINCOUNT=3000`." in report.markdown(tuned)
+    assert set(results["meta"]["env"]) <= set(runner.THREAD_SETTINGS)
 
 
 @pytest.mark.parametrize("module", [timing, sizes, report])
