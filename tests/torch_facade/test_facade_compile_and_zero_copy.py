@@ -150,3 +150,34 @@ def test_gradients_are_views_of_aligned_flats_that_jax_imports_without_copies(se
         if p.grad is not None
     )
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+
+
+def test_a_steady_step_crosses_dlpack_once(monkeypatch):
+    """After warm-up, a step imports nothing into JAX and exports one array (the scalars).
+
+    Each crossing costs tens of microseconds, so per-step work must not grow with the number
+    of tensors or of outputs: the flats are imported once per arena (on the CPU), and the five
+    numbers torch needs come out of the core packed into one array.
+    """
+    model, half, optimizers, scaler = mixed_setup({"loss_scale": "dynamic", "init_scale": 2.0**8})
+    for step in range(3):  # warm-up: builds the arena, compiles, creates Adam's state
+        mixed_step(model, half, optimizers, scaler, step)
+    crossings = {"to_jax": 0, "to_torch": 0}
+    for name in crossings:
+        original = getattr(_bridge, name)
+
+        def counted(value, _original=original, _name=name):
+            crossings[_name] += 1
+            return _original(value)
+
+        monkeypatch.setattr(_bridge, name, counted)
+    steps = 6
+    for step in range(3, 3 + steps):
+        optimizers[0].zero_grad(set_to_none=False)
+        optimizers[1].zero_grad(set_to_none=False)
+        loss = loss_of(model, step) + half(torch.ones(1, 2, dtype=torch.bfloat16)).float().sum()
+        scaler.scale(loss).backward()
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+    assert crossings == {"to_jax": 0, "to_torch": steps}
