@@ -135,9 +135,12 @@ class GradientArena:
         if (grad.dtype, grad.shape, grad.device) != (memory.dtype, memory.shape, memory.device):
             return False
         if grad.data_ptr() != memory.data_ptr() or grad.stride() != memory.stride():
-            memory.copy_(grad)
+            with torch.no_grad():  # a gradient with a history must not give the arena one
+                memory.copy_(grad)
         if grad.requires_grad:  # a gradient with a history (create_graph=True): replace it
-            slot.param.grad = slot.view = memory
+            # By a new tensor over the slot, never ``memory`` itself: ``grad.data = other``
+            # (``module.to(...)``) on what the user holds must not move the arena's own view.
+            slot.param.grad = slot.view = memory.detach()
         else:
             # Move the gradient tensor itself into the arena rather than replacing it, so that
             # every reference to it (a user's list of grads) sees the in-place unscaling and

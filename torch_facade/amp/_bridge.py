@@ -19,8 +19,13 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
-    """Zero-copy export of a JAX array (waits until it is computed)."""
-    return torch.from_dlpack(array)
+    """Zero-copy export of a JAX array (waits until it is computed).
+
+    Always a normal tensor, even when called under ``torch.inference_mode()``: the scaler keeps
+    some of these (its scale) and a later ``scale(loss)`` saves them for backward.
+    """
+    with torch.inference_mode(False):
+        return torch.from_dlpack(array)
 
 
 def place_state(state: amp_core.LossScaleState, torch_device: torch.device) -> Any:

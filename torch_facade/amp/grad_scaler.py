@@ -41,10 +41,13 @@ class _Decision:
     _host_isfinite: bool | None = None
 
     def isfinite(self) -> torch.Tensor:
-        """The overflow flag as a 0-d bool tensor (no host synchronisation)."""
+        """The overflow flag as a new 0-d bool tensor (no host synchronisation).
+
+        A copy: the flag the skip decision reads must not change if the caller's tensor does.
+        """
         if self.outputs is None:
             return torch.tensor(True)
-        return _bridge.to_torch(self.outputs.isfinite)
+        return _bridge.to_torch(self.outputs.isfinite).clone()
 
     def host_isfinite(self) -> bool:
         """``isfinite`` as a Python bool: a host synchronisation, done at most once."""
@@ -266,21 +269,21 @@ class GradScaler:
     def get_isfinite(self) -> torch.Tensor:
         """The skip signal: whether this iteration's (or else the last) step was finite.
 
-        A bool tensor, without a host synchronisation.
+        A new bool tensor (a copy), without a host synchronisation.
         """
         if self._decision is not None:
             return self._decision.isfinite()
-        return _bridge.to_torch(self._state.isfinite)
+        return _bridge.to_torch(self._state.isfinite).clone()
 
     def get_global_norm(self) -> torch.Tensor:
         """The global L2 norm of this iteration's (or else the last) unscaled gradients.
 
-        A float32 tensor, without a host synchronisation; 0 before the first DLS step and
-        for static scaling, which does not check gradients.
+        A new float32 tensor (a copy), without a host synchronisation; 0 before the first DLS
+        step and for static scaling, which does not check gradients.
         """
         if self._decision is not None and self._decision.outputs is not None:
-            return _bridge.to_torch(self._decision.outputs.global_norm)
-        return _bridge.to_torch(self._state.global_norm)
+            return _bridge.to_torch(self._decision.outputs.global_norm).clone()
+        return _bridge.to_torch(self._state.global_norm).clone()
 
     # --------------------------------------------------------------- the loop
 
