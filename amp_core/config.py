@@ -37,7 +37,7 @@ class StaticLossScale:
     loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "loss_scale", _positive_finite("loss_scale", self.loss_scale))
+        object.__setattr__(self, "loss_scale", positive_finite("loss_scale", self.loss_scale))
 
     @property
     def is_dynamic(self) -> bool:
@@ -93,13 +93,13 @@ class DynamicLossScale:
         defaults = loss_scale_defaults(half)
         resolved = {
             "half_dtype": half,
-            "init_scale": _positive_finite(
+            "init_scale": positive_finite(
                 "init_scale", _default(self.init_scale, defaults.init_scale)
             ),
-            "max_loss_scale": _positive_finite(
+            "max_loss_scale": positive_finite(
                 "max_loss_scale", _default(self.max_loss_scale, defaults.max_loss_scale)
             ),
-            "min_loss_scale": _positive_finite(
+            "min_loss_scale": positive_finite(
                 "min_loss_scale", _default(self.min_loss_scale, defaults.min_loss_scale)
             ),
             "steps_per_increase": _positive_int(
@@ -110,7 +110,7 @@ class DynamicLossScale:
             ),
             "max_gradient_norm": None
             if self.max_gradient_norm is None
-            else _positive_finite("max_gradient_norm", self.max_gradient_norm),
+            else positive_finite("max_gradient_norm", self.max_gradient_norm),
         }
         if resolved["min_loss_scale"] < MIN_LOSS_SCALE_FLOOR:
             raise ValueError(
@@ -219,8 +219,13 @@ def real_number(name: str, value: Any) -> float:
         ) from err
 
 
-def _positive_finite(name: str, value: Any) -> float:
-    """A number that stays positive and finite in float32, where scales and norms live."""
+def positive_finite(name: str, value: Any) -> float:
+    """A number that stays positive and finite in float32, where scales and norms live.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: not positive, or infinite or zero once rounded to float32.
+    """
     number = real_number(name, value)
     with np.errstate(over="ignore", under="ignore"):
         as_float32 = float(np.float32(number)) if math.isfinite(number) else number

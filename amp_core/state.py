@@ -8,9 +8,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from amp_core.config import LossScaleConfig, real_number
+from amp_core.config import LossScaleConfig, positive_finite, real_number
 
 COUNTER_DTYPE = jnp.int32
 """Integer dtype of the step counters inside JAX (``state_dict`` returns Python ints)."""
@@ -94,11 +93,10 @@ def to_state_dict(config: LossScaleConfig, state: LossScaleState) -> dict[str, f
         >>> amp_core.to_state_dict(cfg, amp_core.init(cfg))["loss_scale"]
         32768.0
     """
-    result: dict[str, float | int] = {"loss_scale": float(state.loss_scale)}
-    if config.is_dynamic:
-        result["steps_since_rescale"] = int(state.steps_since_rescale)
-        result["overflows_since_rescale"] = int(state.overflows_since_rescale)
-        result["num_skipped_steps"] = int(state.num_skipped_steps)
+    host = jax.device_get(state)  # one transfer, not one per field
+    result: dict[str, float | int] = {"loss_scale": float(host.loss_scale)}
+    for key in state_dict_keys(config)[1:]:
+        result[key] = int(getattr(host, key))
     return result
 
 
@@ -134,23 +132,12 @@ def from_state_dict(
         )
     updates: dict[str, jax.Array] = {}
     if "loss_scale" in state_dict:
-        scale = _checkpoint_scale(state_dict["loss_scale"])
+        scale = positive_finite("state_dict['loss_scale']", state_dict["loss_scale"])
         updates["loss_scale"] = updates["non_clamped_scale"] = jnp.asarray(scale, jnp.float32)
     for key in allowed[1:]:
         if key in state_dict:
             updates[key] = jnp.asarray(_checkpoint_count(key, state_dict[key]), COUNTER_DTYPE)
     return state._replace(**updates)
-
-
-def _checkpoint_scale(value: Any) -> float:
-    number = real_number("state_dict['loss_scale']", value)
-    with np.errstate(over="ignore", under="ignore"):
-        as_float32 = float(np.float32(number)) if math.isfinite(number) else number
-    if not (math.isfinite(as_float32) and as_float32 > 0):
-        raise ValueError(
-            f"state_dict['loss_scale'] must be positive and finite in float32; got {value!r}"
-        )
-    return number
 
 
 def _checkpoint_count(key: str, value: Any) -> int:

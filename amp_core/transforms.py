@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from amp_core.config import LossScaleConfig
-from amp_core.scaling import apply_multiplier, check_grads, scale_loss, update
+from amp_core.scaling import apply_multiplier, check_and_update, scale_loss, unscale_and_check
 from amp_core.state import LossScaleState, init
 
 
@@ -76,8 +76,8 @@ def with_loss_scaling(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaledState]:
-        check = check_grads(config, state.loss_scale, updates)
-        scaler = update(config, state.loss_scale, check.isfinite, check.global_norm)
+        check = check_and_update(config, state.loss_scale, updates)
+        scaler = check.next_state
 
         def apply(_: None) -> tuple[optax.Updates, optax.OptState]:
             # Unscaling inside the branch lets XLA fuse the multiply into the optimizer's
@@ -153,8 +153,8 @@ def apply_scaled_gradients(
             "opt_state must be the LossScaledState made by with_loss_scaling(inner, config).init; "
             f"got {type(opt_state).__name__}"
         )
-    check = check_grads(config, opt_state.loss_scale, grads)
-    scaler = update(config, opt_state.loss_scale, check.isfinite, check.global_norm)
+    check = check_and_update(config, opt_state.loss_scale, grads)
+    scaler = check.next_state
 
     def apply(operand: tuple[optax.Params, optax.OptState]) -> tuple[optax.Params, optax.OptState]:
         old_params, inner_state = operand
@@ -245,12 +245,7 @@ def value_and_grad(
         state: LossScaleState, *args: Any, **kwargs: Any
     ) -> tuple[Any, Any, jax.Array, jax.Array]:
         scaled_grads, value = grad_of_scaled(state, *args, **kwargs)
-        check = check_grads(config, state, scaled_grads)
-        return (
-            value,
-            apply_multiplier(scaled_grads, check.multiplier),
-            check.isfinite,
-            check.global_norm,
-        )
+        grads, isfinite, global_norm = unscale_and_check(config, state, scaled_grads)
+        return value, grads, isfinite, global_norm
 
     return grad_fn
