@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 import torch
+from amp_helpers import assert_trees_bitwise_equal
 
 import amp_core
 
@@ -56,16 +57,6 @@ def random_state(cfg, seed: int) -> amp_core.LossScaleState:
             "num_skipped_steps": int(rng.integers(0, 100)),
         }
     return amp_core.from_state_dict(cfg, amp_core.init(cfg), values)
-
-
-def assert_trees_bitwise_equal(actual, expected):
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(
-        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
-    ):
-        a, e = np.asarray(a), np.asarray(e)
-        assert (a.dtype, a.shape) == (e.dtype, e.shape)
-        assert a.tobytes() == e.tobytes(), f"{a} != {e}"
 
 
 # -- jit versus eager -----------------------------------------------------------------------------

@@ -14,17 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from amp_helpers import assert_bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import amp_core
-
-
-def assert_bitwise_equal(actual, expected):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype
-    assert actual.shape == expected.shape
-    assert actual.tobytes() == expected.tobytes(), f"{actual} != {expected}"
 
 
 def oracle_unscale(grad, scale: float) -> np.ndarray:

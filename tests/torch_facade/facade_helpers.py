@@ -60,6 +60,34 @@ def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
     optimizer.step()
 
 
+def one_step(
+    scaler: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int = 0,
+    poison: bool = False,
+) -> None:
+    """One scaled training step through ``scaler``; ``poison`` puts an inf into a gradient."""
+    optimizer.zero_grad()
+    scaler.scale(loss_of(model, step)).backward()
+    if poison:
+        model.fc1.weight.grad[0, 0] = INF
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def poison_on(param: torch.Tensor, steps: set[int], counter: list[int]) -> Any:
+    """A backward hook that writes an inf into ``param``'s gradient on the given steps."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if counter[0] in steps:
+            grad = grad.clone()
+            grad.view(-1)[0] = INF
+        return grad
+
+    return param.register_hook(hook)
+
+
 def parameters_of(*models: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for model in models for p in model.parameters()]
 

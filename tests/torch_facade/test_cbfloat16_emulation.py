@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,13 +39,6 @@ def positive_grid() -> np.ndarray:
     for e in range(-30, 32):
         values += [math.ldexp(1 + m / 512, e) for m in range(512)]
     return np.asarray(values, np.float64)
-
-
-@pytest.fixture
-def restore_amp_state() -> Iterator[None]:
-    yield
-    cstorch.amp.set_half_dtype("float16")
-    cstorch.amp.enable_mixed_precision(False)
 
 
 # ------------------------------------------------------------------ round_to_cbfloat16
@@ -326,7 +318,7 @@ def test_gradients_reach_master_weights_rounded_at_every_cast() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_training_with_dynamic_loss_scaling(restore_amp_state: None) -> None:
+def test_training_with_dynamic_loss_scaling() -> None:
     assert cstorch.amp.set_half_dtype("cbfloat16") is torch.float16
     model = make_mlp(1)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -355,7 +347,7 @@ def test_training_with_dynamic_loss_scaling(restore_amp_state: None) -> None:
     assert cstorch.amp.get_half_dtype_str() == "cbfloat16"
 
 
-def test_skipped_step_inside_the_context_leaves_master_weights(restore_amp_state: None) -> None:
+def test_skipped_step_inside_the_context_leaves_master_weights() -> None:
     cstorch.amp.set_half_dtype("cbfloat16")
     model = make_mlp(3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from facade_helpers import DLS, INF, TinyNet, assert_tensors_equal, loss_of, parameters_of
+from facade_helpers import (
+    DLS,
+    INF,
+    TinyNet,
+    assert_tensors_equal,
+    loss_of,
+    parameters_of,
+    poison_on,
+)
 
 import torch_facade as cstorch
 
@@ -128,16 +136,6 @@ def manual_loop(scaler_kwargs, clip, steps, poison_step=None):
     return model, scaler
 
 
-def poison_hook(model, step_holder, poison_step):
-    def hook(grad):
-        if step_holder[0] == poison_step:
-            grad = grad.clone()
-            grad[0, 0] = INF
-        return grad
-
-    model.fc2.weight.register_hook(hook)
-
-
 CLIPS = {
     "norm": (
         {"max_gradient_norm": MAX_NORM},
@@ -161,7 +159,7 @@ def test_optimizer_step_clips_over_all_optimizers_like_the_manual_loop(scaler_kw
     optimizers = two_optimizers(model)
     scaler = cstorch.amp.GradScaler(**scaler_kwargs)
     step_holder = [0]
-    poison_hook(model, step_holder, poison_step)
+    poison_on(model.fc2.weight, {poison_step}, step_holder)
     for step in range(5):
         step_holder[0] = step
         cstorch.amp.optimizer_step(loss_of(model, step), list(optimizers), scaler, **clip_kwargs)

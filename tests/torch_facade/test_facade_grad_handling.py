@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from facade_helpers import DLS, INF, TinyNet, assert_tensors_equal, loss_of, parameters_of
+from facade_helpers import (
+    DLS,
+    INF,
+    TinyNet,
+    assert_tensors_equal,
+    loss_of,
+    parameters_of,
+    plain_step,
+)
 
 import torch_facade as cstorch
 
@@ -195,9 +203,7 @@ def test_add_param_group_mid_training():
             optimizer.add_param_group({"params": model.fc2.parameters(), "lr": 0.02})
         overflow = step == 4
         if not overflow:
-            reference_opt.zero_grad()
-            loss_of(reference, step).backward()
-            reference_opt.step()
+            plain_step(reference, reference_opt, step)
         optimizer.zero_grad()
         scaler.scale(loss_of(model, step)).backward()
         if overflow:

@@ -14,6 +14,7 @@ from facade_helpers import (
     TinyNet,
     assert_tensors_equal,
     loss_of,
+    one_step,
     parameters_of,
 )
 
@@ -24,15 +25,6 @@ TRACES_PATH = pathlib.Path(__file__).parent.parent / "data" / "dls_reference_tra
 
 def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def one_step(scaler, model, optimizer, step=0, poison=False):
-    optimizer.zero_grad()
-    scaler.scale(loss_of(model, step)).backward()
-    if poison:
-        model.fc1.weight.grad[0, 0] = INF
-    scaler.step(optimizer)
-    scaler.update()
 
 
 # ----------------------------------------------------------------------------- scale()

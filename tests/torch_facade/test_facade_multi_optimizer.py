@@ -13,6 +13,7 @@ from facade_helpers import (
     loss_of,
     optimizer_snapshot,
     parameters_of,
+    poison_on,
 )
 
 import torch_facade as cstorch
@@ -38,18 +39,6 @@ def plain_run(steps: list[int]) -> TinyNet:
         first.step()
         second.step()
     return model
-
-
-def poison_on(param: torch.Tensor, steps: set[int], counter: list[int]):
-    """A backward hook that writes an inf into ``param``'s gradient on the given steps."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if counter[0] in steps:
-            grad = grad.clone()
-            grad.view(-1)[0] = INF
-        return grad
-
-    return param.register_hook(hook)
 
 
 @pytest.mark.parametrize("poisoned", ["first", "second"])

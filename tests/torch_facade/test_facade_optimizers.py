@@ -17,6 +17,7 @@ from facade_helpers import (
     assert_tensors_equal,
     deep_equal,
     loss_of,
+    one_step,
     optimizer_snapshot,
     parameters_of,
     plain_step,
@@ -187,10 +188,7 @@ def test_overflow_from_a_loss_that_overflows_float16(implementation):
     optimizer = make_optimizer("adam", implementation, model)
     scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0**12)
     for step in range(3):  # make the optimizer state exist, so fused takes its fused path
-        optimizer.zero_grad()
-        scaler.scale(loss_of(model, step)).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        one_step(scaler, model, optimizer, step)
     params_before = parameters_of(model)
     state_before = optimizer_snapshot(optimizer)
     skipped = int(scaler.get_num_skipped_steps())
@@ -215,10 +213,7 @@ def test_fused_adam_skip_leaves_step_counters_unchanged_through_many_overflows()
     optimizer = make_optimizer("adamw", "fused", model)
     scaler = cstorch.amp.GradScaler(**DLS)
     for step in range(2):
-        optimizer.zero_grad()
-        scaler.scale(loss_of(model, step)).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        one_step(scaler, model, optimizer, step)
     steps = [float(s["step"]) for s in optimizer.state.values()]
     assert steps == [2.0] * 4
     state_before = optimizer_snapshot(optimizer)
@@ -240,10 +235,7 @@ def test_static_scaling_steps_every_optimizer_as_plain_training():
     scaler = cstorch.amp.GradScaler(loss_scale=2.0**6)
     for step in range(3):
         plain_step(reference, reference_opt, step)
-        optimizer.zero_grad()
-        scaler.scale(loss_of(model, step)).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        one_step(scaler, model, optimizer, step)
     torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=1e-6, atol=1e-7)
     assert scaler.get_scale() == 2.0**6
 

@@ -16,6 +16,7 @@ from facade_helpers import (
     assert_tensors_equal,
     deep_equal,
     loss_of,
+    one_step,
     optimizer_snapshot,
     parameters_of,
     plain_step,
@@ -105,10 +106,7 @@ def test_a_parameter_whose_first_gradient_overflows_gets_no_state_from_a_fused_s
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     scaler = cstorch.amp.GradScaler(**DLS)
     for step in range(2):  # fused state for fc1 and fc2; `unused` has no gradient
-        optimizer.zero_grad()
-        scaler.scale(loss_of(model, step)).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        one_step(scaler, model, optimizer, step)
     optimizer.zero_grad()
     scaler.scale(loss_of(model, 2) + model.unused(torch.ones(1, 2)).sum()).backward()
     model.fc2.bias.grad[0] = INF
