@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -78,6 +79,12 @@ def _truthy(value: Any) -> bool:
         return bool(value)
     except (RuntimeError, ValueError, TypeError):  # e.g. a tensor of several elements
         return True
+
+
+@functools.lru_cache(maxsize=16)
+def _with_clip_norm(config: amp_core.LossScaleConfig, norm: float) -> amp_core.LossScaleConfig:
+    """``config`` with DLS + GCC at ``norm``; cached: ``optimizer_step`` asks every iteration."""
+    return dataclasses.replace(config, max_gradient_norm=norm)
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -520,7 +527,7 @@ class GradScaler:
             return self._decision
         config = self._config
         if clip_norm is not None:
-            config = dataclasses.replace(config, max_gradient_norm=clip_norm)
+            config = _with_clip_norm(config, clip_norm)
         participants = tuple(self._optimizers)
         if not self._dynamic:  # static scaling never checks: apply every step
             self._decision = _Decision(
