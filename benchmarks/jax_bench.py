@@ -12,7 +12,7 @@ import optax
 
 import amp_core
 from benchmarks.sizes import GradientSet
-from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, first_step, measure
+from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 from benchmarks.torch_bench import BIG_NORM, LEARNING_RATE, LOSS_SCALE, NEVER
 
 FUSED_APPLY = "+ DLS, apply_scaled_gradients"
@@ -35,7 +35,8 @@ class _OptaxVariant:
 
     def __init__(self, name: str, grads: GradientSet) -> None:
         inner = optax.adamw(LEARNING_RATE)
-        tx = inner if name == "optax adamw" else amp_core.with_loss_scaling(inner, _config(name))
+        config = _config(name)
+        tx = inner if name == "optax adamw" else amp_core.with_loss_scaling(inner, config)
         self.grads = {
             n: jnp.array(g.numpy(), copy=True)
             for n, g in zip(grads.names, grads.grads, strict=True)
@@ -48,7 +49,7 @@ class _OptaxVariant:
 
         def update(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
             if name == FUSED_APPLY:
-                return amp_core.apply_scaled_gradients(inner, _config(name), grads, state, params)
+                return amp_core.apply_scaled_gradients(inner, config, grads, state, params)
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
@@ -84,12 +85,8 @@ def run_group(
         counter: a listening compile counter.
         on_round: progress callback, once per round.
     """
-    variants = []
-    first = {}
-    for name in VARIANTS:
-        since = counter.snapshot()
-        holder = _OptaxVariant(name, grads)
-        variant = Variant(name, holder.step)
-        first[name] = first_step(variant, counter, since)
-        variants.append(variant)
-    return JaxGroup(first, measure(variants, plan, counter, on_round))
+
+    def make(name: str) -> Variant:
+        return Variant(name, _OptaxVariant(name, grads).step)
+
+    return JaxGroup(*measure_group(VARIANTS, make, plan, counter, on_round))

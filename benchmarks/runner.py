@@ -77,14 +77,13 @@ def _case(
     variant: str,
     timing: Timing,
     first: FirstStep | None,
-    unit: str = "s",
 ) -> dict[str, Any]:
     return {
         "section": section,
         "size": size,
         "group": group,
         "variant": variant,
-        "unit": unit,
+        "unit": "s",
         "iters": timing.iters,
         "rounds": timing.rounds,
         "samples": timing.samples,
@@ -154,8 +153,6 @@ def _floor_rows(bw_row: dict[str, Any], torch_rows: list[dict[str, Any]]) -> lis
     rate = bw_row["inplace_gbps"]["median"] * 1e9
     rows = []
     for row in torch_rows:
-        if row["size"] != bw_row["size"]:
-            continue
         per_param, model = FLOOR_MODELS[(row["optimizer"], row["clip"])]
         floor_ms = per_param * bw_row["params"] / rate * MS if rate > 0 else math.nan
         torch_over = row["torch_overhead_ms"]["median"]

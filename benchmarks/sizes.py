@@ -149,7 +149,6 @@ class GradientSet:
     """Parameters and the gradients of one real backward pass, for one size.
 
     Attributes:
-        spec: the size.
         names: parameter names, in optimizer order.
         values: the parameter values (float32, contiguous).
         grads: the gradients, same shapes (float32, contiguous, all finite).
@@ -157,7 +156,6 @@ class GradientSet:
         flushed: how many gradient values below ``FLUSH_BELOW`` in magnitude were set to zero.
     """
 
-    spec: SizeSpec
     names: list[str]
     values: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -250,4 +248,4 @@ def make_gradients(spec: SizeSpec, seed: int = 0) -> GradientSet:
         flushed += int(small.sum())
         grads.append(grad.masked_fill_(small, 0.0))
     values = [p.detach().clone().contiguous() for p in params]
-    return GradientSet(spec, names, values, grads, float(loss.detach()), flushed)
+    return GradientSet(names, values, grads, float(loss.detach()), flushed)

@@ -246,15 +246,15 @@ class Plan:
     Attributes:
         rounds: timed rounds.
         max_iters: timed calls per variant and round (fewer when steps are slow, unless fixed).
-        fixed_iters: always use ``max_iters``.
         warmup: untimed calls per variant after its first call (at least one is made, to size
             the rounds).
+        fixed_iters: always use ``max_iters``.
     """
 
     rounds: int
     max_iters: int
+    warmup: int
     fixed_iters: bool = False
-    warmup: int = 2
 
 
 def measure(
@@ -267,6 +267,35 @@ def measure(
     slowest = warm_up(variants, max(1, plan.warmup))
     iters = choose_iters(plan.max_iters, slowest, plan.fixed_iters)
     return run_interleaved(variants, plan.rounds, iters, counter, on_round)
+
+
+def measure_group(
+    names: Sequence[str],
+    make: Callable[[str], Variant],
+    plan: Plan,
+    counter: CompileCounter,
+    on_round: Callable[[], Any] = lambda: None,
+) -> tuple[dict[str, FirstStep], dict[str, Timing]]:
+    """Builds the named variants, timing each one's first call, then measures them together.
+
+    Args:
+        names: the variant names, in order.
+        make: builds the variant of a name (its compilations count towards its first step).
+        plan: rounds, calls per round and warm-up.
+        counter: a listening compile counter.
+        on_round: called after every timed round (progress).
+
+    Returns:
+        The first step of every variant, and its timed rounds.
+    """
+    variants = []
+    first = {}
+    for name in names:
+        since = counter.snapshot()
+        variant = make(name)
+        first[name] = first_step(variant, counter, since)
+        variants.append(variant)
+    return first, measure(variants, plan, counter, on_round)
 
 
 class CpuShare:

@@ -9,7 +9,7 @@ import torch
 
 import torch_facade as cstorch
 from benchmarks.sizes import GradientSet
-from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, first_step, measure
+from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 
 LOSS_SCALE = 1.0 + 2.0**-23
 """The loss scale of every scaler: unscaling multiplies by about 1, so no value drifts."""
@@ -135,11 +135,8 @@ def run_group(
         counter: a listening compile counter.
         on_round: progress callback, once per round.
     """
-    variants = []
-    first = {}
-    for name in VARIANTS:
-        since = counter.snapshot()
-        variant = make_variant(name, optimizer, grads)
-        first[name] = first_step(variant, counter, since)
-        variants.append(variant)
-    return TorchGroup(optimizer, first, measure(variants, plan, counter, on_round))
+
+    def make(name: str) -> Variant:
+        return make_variant(name, optimizer, grads)
+
+    return TorchGroup(optimizer, *measure_group(VARIANTS, make, plan, counter, on_round))

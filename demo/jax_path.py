@@ -19,6 +19,7 @@ With ``RunOptions.diagnostics`` every step also records why it overflowed (or di
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -31,8 +32,9 @@ from tqdm.auto import tqdm
 
 import amp_core
 from demo.problem import Problem, RunOptions
-from demo.records import RunRecord
+from demo.records import RunRecord, diagnostic_extras
 from demo.registry import register_path
+from demo.report import format_scale
 
 Params = list[dict[str, jax.Array]]
 
@@ -89,6 +91,26 @@ def mse(outputs: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(outputs.astype(jnp.float32) - targets))
 
 
+def mlp_loss(
+    params: Params, x: jax.Array, y: jax.Array, taps: Sequence[jax.Array] | None = None
+) -> jax.Array:
+    """The training loss ``mse(mlp(params, x, taps), y)``, reduced in float32.
+
+    The MLP computes in the dtype of ``params`` and ``x`` (float32 for the master parameters).
+    """
+    return mse(mlp(params, x, taps), y)
+
+
+_full_loss_jit = jax.jit(mlp_loss)
+"""``mlp_loss`` jitted once, for the whole-data-set loss of :func:`full_loss`."""
+
+
+def loss_fp16(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+    """:func:`mlp_loss` with ``params`` and ``x`` cast to float16 (float16 forward and backward)."""
+    half = jax.tree.map(lambda a: a.astype(jnp.float16), params)
+    return mlp_loss(half, x.astype(jnp.float16), y)
+
+
 def _tap_shapes(params: Params, batch_size: int) -> list[tuple[int, int]]:
     shapes = []
     for i, layer in enumerate(params):
@@ -122,10 +144,6 @@ def make_fp16_step(tx: optax.GradientTransformation, diagnostics: bool = True) -
         ``step(params, opt_state, x, y, batches, i) -> (params, opt_state, StepStats)``.
     """
 
-    def loss_fp16(params: Params, x: jax.Array, y: jax.Array, taps: Any = None) -> jax.Array:
-        half = jax.tree.map(lambda a: a.astype(jnp.float16), params)
-        return mse(mlp(half, x.astype(jnp.float16), taps), y)
-
     @jax.jit
     def step(
         params: Params,
@@ -152,7 +170,7 @@ def make_fp16_step(tx: optax.GradientTransformation, diagnostics: bool = True) -
             taps = [jnp.zeros(s, jnp.float32) for s in _tap_shapes(params, xb.shape[0])]
 
             def scaled_f32(p: Params, t: Any) -> jax.Array:
-                return amp_core.scale_loss(scaler, mse(mlp(p, xb, t), yb))
+                return amp_core.scale_loss(scaler, mlp_loss(p, xb, yb, t))
 
             f32_grads = jax.grad(scaled_f32, argnums=(0, 1))(params, taps)
             leaves = jax.tree.leaves(f32_grads)
@@ -195,7 +213,7 @@ def make_fp32_step(tx: optax.GradientTransformation) -> Any:
         i: jax.Array,
     ) -> tuple[Params, optax.OptState, jax.Array]:
         index = batches[i]
-        loss, grads = jax.value_and_grad(lambda p: mse(mlp(p, x[index]), y[index]))(params)
+        loss, grads = jax.value_and_grad(mlp_loss)(params, x[index], y[index])
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -204,7 +222,7 @@ def make_fp32_step(tx: optax.GradientTransformation) -> Any:
 
 def full_loss(params: Params, problem: Problem) -> float:
     """The float32 loss of ``params`` on the whole data set."""
-    return float(jax.jit(lambda p, x, y: mse(mlp(p, x), y))(params, problem.x, problem.y))
+    return float(_full_loss_jit(params, problem.x, problem.y))
 
 
 def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
@@ -217,13 +235,7 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
     Returns:
         The run's :class:`RunRecord` (named ``"jax fp16 + DLS"``).
     """
-    settings = problem.scaler
-    config = amp_core.DynamicLossScale(
-        init_scale=settings.init_scale,
-        max_loss_scale=settings.max_loss_scale,
-        min_loss_scale=settings.min_loss_scale,
-        steps_per_increase=settings.steps_per_increase,
-    )
+    config = amp_core.DynamicLossScale(**dataclasses.asdict(problem.scaler))
     tx = amp_core.with_loss_scaling(optax.adam(problem.learning_rate), config)
     start = time.perf_counter()
     params = to_params(problem.init_params)
@@ -241,21 +253,13 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
         if options.progress and (i % 10 == 0 or not stats.isfinite):
             bar.set_postfix(
                 loss=f"{float(stats.loss):.3g}",
-                scale=f"2^{np.log2(float(stats.scale)):g}",
+                scale=format_scale(float(stats.scale)),
                 skipped=int(stats.num_skipped_steps),
             )
     bar.close()
     final_state = amp_core.loss_scale_state(opt_state)
     columns = StepStats(*(np.asarray(column) for column in zip(*history, strict=True)))
-    extras = {}
-    if options.diagnostics:
-        extras = {
-            "forward_finite": columns.forward_finite.astype(bool),
-            "f32_finite": columns.f32_finite.astype(bool),
-            "f32_peak": columns.f32_peak.astype(np.float64),
-            "params_unchanged": columns.params_unchanged.astype(bool),
-            "num_skipped_steps": columns.num_skipped_steps.astype(np.int64),
-        }
+    extras = diagnostic_extras(columns._asdict()) if options.diagnostics else {}
     return RunRecord(
         name="jax fp16 + DLS",
         path="jax",

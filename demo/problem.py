@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 
-FLOAT16_MAX = 65504.0
+FLOAT16_MAX = float(np.finfo(np.float16).max)
 """The largest finite float16 value."""
 
 

@@ -3,9 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
+
+DIAGNOSTICS: dict[str, DTypeLike] = {
+    "forward_finite": bool,
+    "f32_finite": bool,
+    "f32_peak": np.float64,
+    "params_unchanged": bool,
+    "num_skipped_steps": np.int64,
+}
+"""The per-step diagnostics a scaled run records in :attr:`RunRecord.extras`, with their dtypes:
+
+* ``forward_finite``: the float16 forward loss was finite;
+* ``f32_finite``: the same step's backward pass, recomputed in float32, was finite;
+* ``f32_peak``: the largest magnitude in that float32 backward pass;
+* ``params_unchanged``: parameters and optimizer state are bit-identical after the step;
+* ``num_skipped_steps``: the scaler's skipped-step counter after the step.
+"""
+
+
+def diagnostic_extras(columns: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
+    """The :data:`DIAGNOSTICS` entries of ``columns`` (one value per step), as typed arrays.
+
+    Example:
+        >>> from demo.records import DIAGNOSTICS, diagnostic_extras
+        >>> columns = {key: [0, 1] for key in DIAGNOSTICS} | {"loss": [0.5, 0.4]}
+        >>> extras = diagnostic_extras(columns)
+        >>> list(extras) == list(DIAGNOSTICS)
+        True
+        >>> extras["params_unchanged"], extras["f32_peak"].dtype
+        (array([False,  True]), dtype('float64'))
+    """
+    return {key: np.asarray(columns[key], dtype) for key, dtype in DIAGNOSTICS.items()}
 
 
 @dataclasses.dataclass

@@ -6,27 +6,8 @@ live in their own module, listed in :data:`OPTIONAL_PATH_MODULES`; that module c
 :func:`register_path` at import time, and if importing it fails (for example because
 ``torch_facade`` is missing) the path is reported as unavailable and ``--path all`` skips it.
 
-Adding the torch path means creating ``demo/torch_path.py`` along these lines::
-
-    import torch_facade as cstorch  # an ImportError here marks the path unavailable
-
-    from demo.problem import Problem, RunOptions
-    from demo.records import RunRecord
-    from demo.registry import register_path
-
-    def run_torch_path(problem: Problem, options: RunOptions) -> list[RunRecord]:
-        # Build the MLP from problem.init_params (nn.Linear weight = w.T), train on
-        # problem.batch(step) for problem.steps steps with torch.optim.Adam(lr=problem.
-        # learning_rate) and cstorch.amp.GradScaler(loss_scale="dynamic", **problem.scaler
-        # fields), float16 compute; return e.g. [RunRecord(name="torch fp16 + DLS",
-        # path="torch", losses=..., overflow=..., final_loss=..., scales=...,
-        # final_scale=..., num_skipped_steps=...)].
-        ...
-
-    register_path("torch", run_torch_path)
-
-The table, the plot (``torch_demo.png``, plus ``comparison.png`` when several paths ran) and
-``--path torch`` / ``--path all`` then work without further changes.
+To add a path, write a module like :mod:`demo.torch_path` and list it in
+:data:`OPTIONAL_PATH_MODULES`; ``--path``, the table and the plots then need no changes.
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ def provenance_lines(records: Sequence[RunRecord]) -> list[str]:
             continue
         over = record.overflow
         peak = np.asarray(extras["f32_peak"])
-        genuine = over & extras["forward_finite"] & extras["f32_finite"] & (peak > FLOAT16_MAX)
         predicted = peak > FLOAT16_MAX
+        genuine = over & extras["forward_finite"] & extras["f32_finite"] & predicted
         lines.append(f"Overflow check ({record.name}):")
         lines.append(
             f"  {int(genuine.sum())} of {int(over.sum())} overflows are float16 overflows in "

@@ -31,6 +31,7 @@ between torch's and XLA's CPU kernels never move a gradient across 65504 (see
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -40,8 +41,9 @@ from tqdm.auto import tqdm
 
 import torch_facade as cstorch  # an ImportError here marks the path unavailable
 from demo.problem import Problem, RunOptions
-from demo.records import RunRecord
+from demo.records import RunRecord, diagnostic_extras
 from demo.registry import register_path
+from demo.report import format_scale
 
 
 class DemoMLP(torch.nn.Module):
@@ -69,11 +71,15 @@ class DemoMLP(torch.nn.Module):
             self.layers.append(layer)
 
     def forward(
-        self, x: torch.Tensor, intermediates: list[torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        intermediates: list[torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """The outputs ``(batch, 1)``; appends every pre-activation and hidden activation to
-        ``intermediates`` if given (for the float32 backward diagnostics)."""
-        dtype = self.compute_dtype
+        """The outputs ``(batch, 1)``, computed in ``dtype`` (default ``compute_dtype``); appends
+        every pre-activation and hidden activation to ``intermediates`` if given (for the float32
+        backward diagnostics)."""
+        dtype = self.compute_dtype if dtype is None else dtype
         h = x.to(dtype)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -98,13 +104,9 @@ def _float32_backward(
 ) -> tuple[bool, float]:
     """The same step's scaled backward pass in float32: (all finite, peak magnitude) over every
     parameter gradient and every activation cotangent."""
-    compute_dtype, model.compute_dtype = model.compute_dtype, torch.float32
-    try:
-        intermediates: list[torch.Tensor] = []
-        loss = mse(model(x, intermediates), y) * scale
-        grads = torch.autograd.grad(loss, [*model.parameters(), *intermediates])
-    finally:
-        model.compute_dtype = compute_dtype
+    intermediates: list[torch.Tensor] = []
+    loss = mse(model(x, intermediates, dtype=torch.float32), y) * scale
+    grads = torch.autograd.grad(loss, [*model.parameters(), *intermediates])
     finite = all(bool(torch.isfinite(g).all()) for g in grads)
     peak = max(float(g.abs().max()) for g in grads)
     return finite, peak
@@ -131,12 +133,9 @@ def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def _full_loss(model: DemoMLP, problem: Problem) -> float:
     """The float32 loss of the master parameters on the whole data set."""
-    compute_dtype, model.compute_dtype = model.compute_dtype, torch.float32
-    try:
-        with torch.no_grad():
-            return float(mse(model(torch.from_numpy(problem.x)), torch.from_numpy(problem.y)))
-    finally:
-        model.compute_dtype = compute_dtype
+    with torch.no_grad():
+        outputs = model(torch.from_numpy(problem.x), dtype=torch.float32)
+        return float(mse(outputs, torch.from_numpy(problem.y)))
 
 
 def _batch(problem: Problem, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,13 +161,8 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
         half = cstorch.amp.set_half_dtype("float16")
         model = DemoMLP(problem.init_params, compute_dtype=half)
         optimizer = torch.optim.Adam(model.parameters(), lr=problem.learning_rate)
-        settings = problem.scaler
         grad_scaler = cstorch.amp.GradScaler(
-            loss_scale="dynamic",
-            init_scale=settings.init_scale,
-            max_loss_scale=settings.max_loss_scale,
-            min_loss_scale=settings.min_loss_scale,
-            steps_per_increase=settings.steps_per_increase,
+            loss_scale="dynamic", **dataclasses.asdict(problem.scaler)
         )
         columns: dict[str, list] = {
             "loss": [],
@@ -215,7 +209,7 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
             if options.progress and (i % 10 == 0 or not isfinite):
                 bar.set_postfix(
                     loss=f"{columns['loss'][-1]:.3g}",
-                    scale=f"2^{np.log2(columns['scale'][-1]):g}",
+                    scale=format_scale(columns["scale"][-1]),
                     skipped=columns["num_skipped_steps"][-1],
                 )
         bar.close()
@@ -224,15 +218,7 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
     finally:
         cstorch.amp.set_half_dtype(saved[0])
         cstorch.amp.enable_mixed_precision(saved[1])
-    extras = {}
-    if options.diagnostics:
-        extras = {
-            "forward_finite": np.asarray(columns["forward_finite"], bool),
-            "f32_finite": np.asarray(columns["f32_finite"], bool),
-            "f32_peak": np.asarray(columns["f32_peak"], np.float64),
-            "params_unchanged": np.asarray(columns["params_unchanged"], bool),
-            "num_skipped_steps": np.asarray(columns["num_skipped_steps"], np.int64),
-        }
+    extras = diagnostic_extras(columns) if options.diagnostics else {}
     return RunRecord(
         name="torch fp16 + DLS",
         path="torch",
