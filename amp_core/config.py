@@ -72,6 +72,9 @@ class DynamicLossScale:
         max_gradient_norm: if set, gradients are clipped to this global L2 norm in the same pass
             that unscales them and checks for overflow.
         half_dtype: the half dtype whose defaults fill the ``None`` arguments.
+        stall_steps: a run has stalled (:func:`amp_core.is_stalled`) once this many consecutive
+            steps overflowed with the scale already at ``min_loss_scale``: lowering the scale
+            can no longer help (default ``steps_per_increase``).
 
     Example:
         >>> import amp_core
@@ -87,6 +90,7 @@ class DynamicLossScale:
     overflow_tolerance: float = 0.0
     max_gradient_norm: float | None = None
     half_dtype: str = DEFAULT_HALF_DTYPE
+    stall_steps: int | None = None
 
     def __post_init__(self) -> None:
         half = canonical_half_dtype(self.half_dtype, argument="half_dtype")
@@ -112,6 +116,9 @@ class DynamicLossScale:
             if self.max_gradient_norm is None
             else positive_finite("max_gradient_norm", self.max_gradient_norm),
         }
+        resolved["stall_steps"] = _positive_int(
+            "stall_steps", _default(self.stall_steps, resolved["steps_per_increase"])
+        )
         if resolved["min_loss_scale"] < MIN_LOSS_SCALE_FLOOR:
             raise ValueError(
                 f"min_loss_scale must be at least 2**-14 = {MIN_LOSS_SCALE_FLOOR!r} for dynamic "
@@ -153,6 +160,7 @@ def make_config(
     overflow_tolerance: float = 0.0,
     max_gradient_norm: float | None = None,
     half_dtype: Any = DEFAULT_HALF_DTYPE,
+    stall_steps: int | None = None,
 ) -> LossScaleConfig:
     """Builds a configuration from the ``cstorch.amp.GradScaler`` constructor arguments.
 
@@ -169,6 +177,7 @@ def make_config(
         overflow_tolerance: see :class:`DynamicLossScale`.
         max_gradient_norm: see :class:`DynamicLossScale`.
         half_dtype: the half dtype whose defaults apply.
+        stall_steps: see :class:`DynamicLossScale`.
 
     Returns:
         The validated configuration.
@@ -198,6 +207,7 @@ def make_config(
             overflow_tolerance=overflow_tolerance,
             max_gradient_norm=max_gradient_norm,
             half_dtype=half_dtype,
+            stall_steps=stall_steps,
         )
     canonical_half_dtype(half_dtype, argument="half_dtype")
     return StaticLossScale(loss_scale=1.0 if loss_scale is None else loss_scale)

@@ -73,25 +73,27 @@ def _unscaled(grad: jax.Array, inv_scale: jax.Array) -> jax.Array:
     return (grad.astype(jnp.float32) * inv_scale).astype(grad.dtype)
 
 
-def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
-    """The float32 L2 norm of ``grads * inv_scale`` over all floating leaves, read-only.
+def sum_of_unscaled_squares(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
+    """``sum((g * inv_scale)**2)`` in float32 over all floating leaves, read-only.
 
-    The unscaled values are rounded to each leaf's dtype before squaring (they are what the
-    optimizer would see), and squared and summed in float32. A finite value whose square
-    overflows float32 (``|g| >= ~1.8e19``) gives ``inf``. An empty tree has norm 0.
+    The squared global norm of the unscaled gradients, before the square root: the part of the
+    overflow check that can be computed per shard and added up (see :func:`combine_partials`
+    for distributed jobs). The unscaled values are rounded to each leaf's dtype before squaring
+    (they are what the optimizer would see), and squared and summed in float32. A finite value
+    whose square overflows float32 (``|g| >= ~1.8e19``) gives ``inf``. An empty tree gives 0.
 
     float32 leaves are read once, as ``inv_scale**2 * sum(g * g)``: for a power-of-two scale
     (every dynamic scale is one, unless ``init_scale`` is not) that is exactly
     ``sum((g * inv_scale)**2)``, since scaling by a power of two commutes with rounding; for
     other scales it differs by rounding only. Only when the raw squares overflow (an inf or NaN
     gradient, or a finite scaled one of ~1.8e19 or more) are the unscaled squares summed
-    instead, in a second read under ``lax.cond``, so that the result is the norm of the
-    *unscaled* gradients in every case.
+    instead, in a second read under ``lax.cond``, so that the result is that of the *unscaled*
+    gradients in every case.
 
     Example:
         >>> import amp_core, jax.numpy as jnp
-        >>> float(amp_core.global_norm_of_unscaled([jnp.array([6.0, 8.0])], 0.5))
-        5.0
+        >>> float(amp_core.sum_of_unscaled_squares([jnp.array([6.0, 8.0])], 0.5))
+        25.0
     """
     inv = jnp.asarray(inv_scale, jnp.float32)
     leaves = _float_leaves(grads)
@@ -102,7 +104,51 @@ def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.
     float32_leaves = [g for g in leaves if g.dtype == jnp.float32]
     if float32_leaves:
         total = total + _sum_of_unscaled_squares(float32_leaves, inv)
-    return jnp.sqrt(total)
+    return total
+
+
+def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
+    """The float32 L2 norm of ``grads * inv_scale``: ``sqrt(sum_of_unscaled_squares(...))``.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> float(amp_core.global_norm_of_unscaled([jnp.array([6.0, 8.0])], 0.5))
+        5.0
+    """
+    return jnp.sqrt(sum_of_unscaled_squares(grads, inv_scale))
+
+
+def combine_partials(partials: jax.typing.ArrayLike) -> jax.Array:
+    """The global sum of squares from every rank's two partial sums (a distributed job).
+
+    Each rank computes :func:`sum_of_unscaled_squares` twice over its local gradients: once over
+    the *sharded* ones (each rank holds a different part, as FSDP2's local shards) and once over
+    the *replicated* ones (every rank holds a copy, as after DDP's all-reduce). Gathered into a
+    ``[ranks, 2]`` array, the global value is the sum of the sharded column plus the largest
+    replicated value: identical replicas give that value, and a fault on one rank's copy (inf or
+    NaN, which propagates through ``max``) reaches every rank's decision. Every rank combines
+    the same gathered array in the same order, so all ranks get the same bits.
+
+    Args:
+        partials: float32 ``[ranks, 2]``: per rank, the sharded and the replicated sum.
+
+    Returns:
+        The float32 global sum of squares, 0-d.
+
+    Raises:
+        ValueError: ``partials`` is not ``[ranks, 2]``.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> float(amp_core.combine_partials(jnp.array([[1.0, 4.0], [2.0, 4.0]])))
+        7.0
+    """
+    partials = jnp.asarray(partials, jnp.float32)
+    if partials.ndim != 2 or partials.shape[1] != 2 or partials.shape[0] < 1:
+        raise ValueError(
+            f"partials must have shape [ranks, 2] (sharded, replicated); got {partials.shape}"
+        )
+    return jnp.sum(partials[:, 0]) + jnp.max(partials[:, 1])
 
 
 def _sum_of_unscaled_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
@@ -134,6 +180,49 @@ def clip_coefficient(global_norm: jax.Array, max_gradient_norm: float) -> jax.Ar
     return jnp.minimum(coef, jnp.float32(1.0))
 
 
+def check_sum_of_squares(
+    config: LossScaleConfig,
+    state: LossScaleState,
+    sum_of_squares: jax.typing.ArrayLike,
+    *,
+    unscaled: bool = False,
+) -> GradCheck:
+    """The overflow decision from the unscaled gradients' sum of squares.
+
+    This is the finishing half of :func:`check_grads`, for callers that computed
+    :func:`sum_of_unscaled_squares` themselves (per shard, then :func:`combine_partials`).
+
+    Args:
+        config: the loss-scaling configuration.
+        state: the current state (its ``loss_scale`` scaled the gradients).
+        sum_of_squares: float32 0-d, the global sum of squares of the unscaled gradients.
+        unscaled: the gradients were already multiplied by ``1 / loss_scale``; the multiplier is
+            then only the clip coefficient.
+
+    Returns:
+        A :class:`GradCheck`.
+
+    Example:
+        >>> import amp_core
+        >>> cfg = amp_core.DynamicLossScale(init_scale=4.0, max_gradient_norm=1.0)
+        >>> check = amp_core.check_sum_of_squares(cfg, amp_core.init(cfg), 25.0)
+        >>> float(check.global_norm), round(float(check.multiplier), 4)
+        (5.0, 0.05)
+    """
+    inv_scale = jnp.float32(1.0) if unscaled else inverse_scale(state)
+    norm = jnp.sqrt(_scalar("sum_of_squares", sum_of_squares))
+    if not config.is_dynamic:
+        return GradCheck(inv_scale, jnp.asarray(True), norm)
+    isfinite = norm < jnp.float32(jnp.inf)
+    multiplier = inv_scale
+    if config.max_gradient_norm is not None:
+        # On overflow the step is skipped; keep the multiplier finite (no clipping) so that
+        # zeros stay zeros (a NaN norm would otherwise make every gradient NaN).
+        coef = clip_coefficient(norm, config.max_gradient_norm)
+        multiplier = inv_scale * jnp.where(isfinite, coef, jnp.float32(1.0))
+    return GradCheck(multiplier, isfinite, norm)
+
+
 def check_grads(
     config: LossScaleConfig, state: LossScaleState, grads: Any, *, unscaled: bool = False
 ) -> GradCheck:
@@ -148,8 +237,8 @@ def check_grads(
         config: the loss-scaling configuration.
         state: the current state (its ``loss_scale`` scaled these gradients).
         grads: any pytree; non-floating leaves and ``None`` are ignored.
-        unscaled: the gradients were already multiplied by ``1 / loss_scale`` (the torch
-            facade's explicit ``unscale_``); the multiplier is then only the clip coefficient.
+        unscaled: the gradients were already multiplied by ``1 / loss_scale``; the multiplier is
+            then only the clip coefficient.
 
     Returns:
         A :class:`GradCheck`.
@@ -162,17 +251,8 @@ def check_grads(
         (5.0, True, 0.05)
     """
     inv_scale = jnp.float32(1.0) if unscaled else inverse_scale(state)
-    norm = global_norm_of_unscaled(grads, inv_scale)
-    if not config.is_dynamic:
-        return GradCheck(inv_scale, jnp.asarray(True), norm)
-    isfinite = norm < jnp.float32(jnp.inf)
-    multiplier = inv_scale
-    if config.max_gradient_norm is not None:
-        # On overflow the step is skipped; keep the multiplier finite (no clipping) so that
-        # zeros stay zeros (a NaN norm would otherwise make every gradient NaN).
-        coef = clip_coefficient(norm, config.max_gradient_norm)
-        multiplier = inv_scale * jnp.where(isfinite, coef, jnp.float32(1.0))
-    return GradCheck(multiplier, isfinite, norm)
+    total = sum_of_unscaled_squares(grads, inv_scale)
+    return check_sum_of_squares(config, state, total, unscaled=unscaled)
 
 
 def apply_multiplier(grads: Any, multiplier: jax.typing.ArrayLike) -> Any:
@@ -218,6 +298,8 @@ def update(
     state: LossScaleState,
     isfinite: jax.typing.ArrayLike,
     global_norm: jax.typing.ArrayLike | None = None,
+    *,
+    optimizer_steps: jax.typing.ArrayLike = 1,
 ) -> LossScaleState:
     """Applies the SPEC section 2 update once, for a step whose overflow flag is ``isfinite``.
 
@@ -231,19 +313,23 @@ def update(
         scale *= 1 + inc;  if inc: steps = overflows = 0
         scale = min(scale, max_loss_scale); non_clamped = scale
         scale = max(scale, min_loss_scale)
-        num_skipped_steps += 1 - isfinite
+        num_skipped_steps += (1 - isfinite) * optimizer_steps
+        overflows_at_min_scale = (overflows_at_min_scale + 1 if the step overflowed at
+                                  min_loss_scale, else 0)
 
     Args:
         config: the loss-scaling configuration.
         state: the state before the update.
         isfinite: 0-d bool, the step's overflow flag.
         global_norm: optional 0-d norm of the step, recorded in the state for inspection.
+        optimizer_steps: how many optimizer steps this iteration took (or skipped): the
+            reference counts every skipped optimizer step. An integer or a 0-d integer array.
 
     Returns:
         The new state.
 
     Raises:
-        ValueError: ``isfinite`` or ``global_norm`` is not 0-d.
+        ValueError: ``isfinite``, ``global_norm`` or ``optimizer_steps`` is not 0-d.
 
     Example:
         >>> import amp_core
@@ -253,6 +339,7 @@ def update(
     """
     isfinite = _scalar("isfinite", isfinite, jnp.bool_)
     norm = state.global_norm if global_norm is None else _scalar("global_norm", global_norm)
+    steps_taken = _scalar("optimizer_steps", optimizer_steps, COUNTER_DTYPE)
     if not isinstance(config, DynamicLossScale):
         return state._replace(isfinite=jnp.asarray(True), global_norm=norm)
     overflow = jnp.logical_not(isfinite).astype(COUNTER_DTYPE)
@@ -274,15 +361,60 @@ def update(
     scale = jnp.minimum(scale, jnp.float32(config.max_loss_scale))
     non_clamped = scale
     scale = jnp.maximum(scale, jnp.float32(config.min_loss_scale))
+    at_min = state.loss_scale <= jnp.float32(config.min_loss_scale)
+    stalled_overflow = jnp.logical_and(jnp.logical_not(isfinite), at_min)
     return LossScaleState(
         loss_scale=scale,
         non_clamped_scale=non_clamped,
         steps_since_rescale=steps,
         overflows_since_rescale=overflows,
-        num_skipped_steps=state.num_skipped_steps + overflow,
+        num_skipped_steps=state.num_skipped_steps + overflow * steps_taken,
         isfinite=isfinite,
         global_norm=norm,
+        overflows_at_min_scale=jnp.where(stalled_overflow, state.overflows_at_min_scale + 1, zero),
     )
+
+
+def recount_skipped_steps(
+    previous: LossScaleState,
+    state: LossScaleState,
+    optimizer_steps: jax.typing.ArrayLike,
+) -> LossScaleState:
+    """``state`` (from :func:`update` of ``previous``) with its skip count for another step count.
+
+    For a caller that updated before it knew how many optimizers would step (the torch facade
+    takes its decision at the first ``unscale_``/``step`` of an iteration): ``num_skipped_steps``
+    becomes ``previous.num_skipped_steps + (1 - state.isfinite) * optimizer_steps``.
+
+    Example:
+        >>> import amp_core
+        >>> cfg = amp_core.DynamicLossScale()
+        >>> before = amp_core.init(cfg)
+        >>> after = amp_core.update(cfg, before, False)
+        >>> int(amp_core.recount_skipped_steps(before, after, 2).num_skipped_steps)
+        2
+    """
+    overflow = jnp.logical_not(state.isfinite).astype(COUNTER_DTYPE)
+    steps_taken = _scalar("optimizer_steps", optimizer_steps, COUNTER_DTYPE)
+    return state._replace(num_skipped_steps=previous.num_skipped_steps + overflow * steps_taken)
+
+
+def is_stalled(config: LossScaleConfig, state: LossScaleState) -> jax.Array:
+    """Whether the run can no longer progress: ``config.stall_steps`` consecutive overflows at
+    ``min_loss_scale`` (0-d bool; always ``False`` for static scaling). Jittable.
+
+    Example:
+        >>> import amp_core
+        >>> cfg = amp_core.DynamicLossScale(init_scale=1.0, min_loss_scale=1.0, stall_steps=2)
+        >>> state = amp_core.init(cfg)
+        >>> for _ in range(2):
+        ...     state = amp_core.update(cfg, state, False)
+        >>> bool(amp_core.is_stalled(cfg, state))
+        True
+    """
+    if not isinstance(config, DynamicLossScale):
+        return jnp.asarray(False)
+    return state.overflows_at_min_scale >= config.stall_steps
 
 
 class StepResult(NamedTuple):
@@ -302,11 +434,16 @@ class StepResult(NamedTuple):
 
 
 def check_and_update(
-    config: LossScaleConfig, state: LossScaleState, grads: Any, *, unscaled: bool = False
+    config: LossScaleConfig,
+    state: LossScaleState,
+    grads: Any,
+    *,
+    unscaled: bool = False,
+    optimizer_steps: jax.typing.ArrayLike = 1,
 ) -> StepResult:
     """:func:`check_grads` and :func:`update` in one computation (one dispatch per step).
 
-    ``unscaled`` is passed on to :func:`check_grads`.
+    ``unscaled`` is passed on to :func:`check_grads`, ``optimizer_steps`` to :func:`update`.
 
     Example:
         >>> import amp_core, jax.numpy as jnp
@@ -315,8 +452,37 @@ def check_and_update(
         >>> bool(r.isfinite), float(r.next_state.loss_scale)
         (False, 4.0)
     """
-    check = check_grads(config, state, grads, unscaled=unscaled)
-    next_state = update(config, state, check.isfinite, check.global_norm)
+    inv_scale = jnp.float32(1.0) if unscaled else inverse_scale(state)
+    total = sum_of_unscaled_squares(grads, inv_scale)
+    return check_sum_and_update(
+        config, state, total, unscaled=unscaled, optimizer_steps=optimizer_steps
+    )
+
+
+def check_sum_and_update(
+    config: LossScaleConfig,
+    state: LossScaleState,
+    sum_of_squares: jax.typing.ArrayLike,
+    *,
+    unscaled: bool = False,
+    optimizer_steps: jax.typing.ArrayLike = 1,
+) -> StepResult:
+    """:func:`check_sum_of_squares` and :func:`update` in one computation.
+
+    The finishing half of :func:`check_and_update`, for a sum of squares that was computed per
+    shard and combined across ranks (:func:`combine_partials`).
+
+    Example:
+        >>> import amp_core
+        >>> cfg = amp_core.DynamicLossScale(init_scale=8.0)
+        >>> r = amp_core.check_sum_and_update(cfg, amp_core.init(cfg), float("inf"))
+        >>> bool(r.isfinite), float(r.next_state.loss_scale)
+        (False, 4.0)
+    """
+    check = check_sum_of_squares(config, state, sum_of_squares, unscaled=unscaled)
+    next_state = update(
+        config, state, check.isfinite, check.global_norm, optimizer_steps=optimizer_steps
+    )
     return StepResult(check.multiplier, check.isfinite, check.global_norm, next_state)
 
 

@@ -28,6 +28,9 @@ class LossScaleState(NamedTuple):
         isfinite: whether the last updated step was finite (bool, 0-d; ``True`` before any step).
         global_norm: the global L2 norm of the last updated step's unscaled gradients
             (float32, 0-d; ``0`` before any step or when it was not supplied).
+        overflows_at_min_scale: consecutive overflowed steps taken at ``min_loss_scale``
+            (int32, 0-d; a finite step resets it). A run whose count keeps growing cannot
+            progress: see :func:`amp_core.is_stalled`.
     """
 
     loss_scale: jax.Array
@@ -37,6 +40,7 @@ class LossScaleState(NamedTuple):
     num_skipped_steps: jax.Array
     isfinite: jax.Array
     global_norm: jax.Array
+    overflows_at_min_scale: jax.Array
 
 
 def init(config: LossScaleConfig) -> LossScaleState:
@@ -64,6 +68,7 @@ def init(config: LossScaleConfig) -> LossScaleState:
         num_skipped_steps=jnp.zeros((), COUNTER_DTYPE),
         isfinite=jnp.ones((), jnp.bool_),
         global_norm=jnp.zeros((), jnp.float32),
+        overflows_at_min_scale=jnp.zeros((), COUNTER_DTYPE),
     )
 
 
@@ -72,20 +77,25 @@ _DYNAMIC_KEYS = (
     "steps_since_rescale",
     "overflows_since_rescale",
     "num_skipped_steps",
+    "overflows_at_min_scale",
 )
 _STATIC_KEYS = ("loss_scale",)
 
 
 def state_dict_keys(config: LossScaleConfig) -> tuple[str, ...]:
-    """The checkpoint keys of ``config``'s kind (SPEC section 9)."""
+    """The checkpoint keys of ``config``'s kind (SPEC section 9).
+
+    Dynamic scaling adds ``overflows_at_min_scale`` to the reference's four keys, so that a
+    resumed run keeps counting a stall; checkpoints without it still load.
+    """
     return _DYNAMIC_KEYS if config.is_dynamic else _STATIC_KEYS
 
 
 def to_state_dict(config: LossScaleConfig, state: LossScaleState) -> dict[str, float | int]:
     """Returns the cstorch checkpoint dictionary as Python numbers (a host synchronisation).
 
-    Dynamic: ``loss_scale``, ``steps_since_rescale``, ``overflows_since_rescale`` and
-    ``num_skipped_steps``; static: ``loss_scale``.
+    Dynamic: ``loss_scale``, ``steps_since_rescale``, ``overflows_since_rescale``,
+    ``num_skipped_steps`` and ``overflows_at_min_scale``; static: ``loss_scale``.
 
     Example:
         >>> import amp_core

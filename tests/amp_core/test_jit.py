@@ -192,6 +192,7 @@ DOCUMENTED_DTYPES = {
     "num_skipped_steps": jnp.int32,
     "isfinite": jnp.bool_,
     "global_norm": jnp.float32,
+    "overflows_at_min_scale": jnp.int32,
 }
 
 
@@ -243,6 +244,7 @@ def test_dynamic_state_dict_has_the_cstorch_keys_as_python_numbers():
         "steps_since_rescale",
         "overflows_since_rescale",
         "num_skipped_steps",
+        "overflows_at_min_scale",
     ]
     assert type(sd["loss_scale"]) is float
     assert all(type(sd[k]) is int for k in list(sd)[1:])
@@ -251,6 +253,7 @@ def test_dynamic_state_dict_has_the_cstorch_keys_as_python_numbers():
         "steps_since_rescale": int(state.steps_since_rescale),
         "overflows_since_rescale": int(state.overflows_since_rescale),
         "num_skipped_steps": 3,
+        "overflows_at_min_scale": int(state.overflows_at_min_scale),
     }
     assert amp_core.state_dict_keys(cfg) == tuple(sd)
 
