@@ -93,16 +93,3 @@ def test_autocast_on_cpu_with_bfloat16():
     assert layer(x).dtype is torch.float32  # autocast ended
     with cstorch.amp.autocast("bfloat16"):
         assert layer(x).dtype is torch.bfloat16
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule of autocast")
-@pytest.mark.parametrize("half_dtype", ["float16", "cbfloat16"])
-def test_autocast_on_cpu_rejects_float16(half_dtype):
-    cstorch.amp.set_half_dtype(half_dtype)
-    with pytest.raises(ValueError, match="bfloat16"):
-        with cstorch.amp.autocast():
-            pass
-    with pytest.raises(ValueError, match="bfloat16"):
-        with cstorch.amp.autocast(torch.float16):
-            pass
-    assert not torch.is_autocast_enabled("cpu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -150,14 +151,50 @@ def is_cbfloat16_tensor(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
+def _checked_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """``torch.autocast(device_type, dtype)``, with torch's own rejection as a ``ValueError``.
+
+    torch validates the dtype itself: it raises for some pairs (bfloat16 on a CUDA device without
+    it) and, for a dtype its device does not support, warns and runs with autocast *disabled*.
+    Both become a ``ValueError`` here, so a model never silently runs without autocast.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            context = torch.autocast(device_type=device_type, dtype=dtype)
+        except RuntimeError as error:
+            raise ValueError(
+                f"torch.autocast rejects dtype {dtype} on device {device_type!r}: {error}"
+            ) from error
+    with context:
+        if not torch.is_autocast_enabled(device_type):  # torch warned and disabled it
+            reasons = " ".join(" ".join(str(w.message).split()) for w in caught)
+            raise ValueError(
+                f"torch.autocast does not support dtype {dtype} on device {device_type!r}"
+                + (f" ({reasons})" if reasons else "")
+            )
+        for w in caught:  # unrelated warnings go on to the caller's filters
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        yield
+
+
+@contextlib.contextmanager
 def autocast(dtype: str | torch.dtype | None = None) -> Iterator[None]:
     """``torch.autocast`` on the current device with the half dtype in force (or ``dtype``).
 
-    The device is CUDA when torch sees a GPU, else the CPU. As in the reference, CPU autocast
-    accepts only bfloat16.
+    The device is CUDA when torch sees a GPU, else the CPU. Every dtype that ``torch.autocast``
+    accepts on that device works (on the CPU, torch 2.13 computes in float16 and bfloat16); the
+    cbfloat16 half dtype autocasts to its float16 proxy, so it computes with float16 numerics.
+    What torch rejects (it warns and disables autocast for an unsupported dtype) is a
+    ``ValueError`` here instead.
+
+    Args:
+        dtype: a half dtype name (``"float16"``, ``"bfloat16"``, ``"cbfloat16"``) or any
+            ``torch.dtype``; ``None`` takes the half dtype in force.
 
     Raises:
-        ValueError: an unknown dtype, or a dtype other than bfloat16 on the CPU.
+        ValueError: an unknown dtype name, or a dtype that ``torch.autocast`` rejects on the
+            device (the message names both).
 
     Example:
         >>> import torch, torch_facade as cstorch
@@ -166,13 +203,11 @@ def autocast(dtype: str | torch.dtype | None = None) -> Iterator[None]:
         >>> y.dtype
         torch.bfloat16
     """
-    name = _STATE.half_dtype if dtype is None else _half_dtype_name(dtype)
-    torch_dtype = _PROXY_DTYPES[name]
+    if isinstance(dtype, torch.dtype):
+        torch_dtype = dtype
+    else:
+        name = _STATE.half_dtype if dtype is None else _half_dtype_name(dtype)
+        torch_dtype = _PROXY_DTYPES[name]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_type == "cpu" and torch_dtype is not torch.bfloat16:
-        raise ValueError(
-            f"autocast on the CPU supports only bfloat16; the half dtype is {name!r} "
-            f"(call set_half_dtype('bfloat16') or pass dtype=torch.bfloat16)"
-        )
-    with torch.autocast(device_type=device_type, dtype=torch_dtype):
+    with _checked_autocast(device_type, torch_dtype):
         yield
