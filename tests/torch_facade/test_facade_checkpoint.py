@@ -91,6 +91,7 @@ def test_dynamic_state_dict_keys_and_types():
         "steps_since_rescale",
         "overflows_since_rescale",
         "num_skipped_steps",
+        "overflows_at_min_scale",
     ]
     assert state["loss_scale"].dtype is torch.float32
     assert all(state[k].dtype is torch.int64 for k in list(state)[1:])

@@ -215,8 +215,10 @@ def test_non_float32_gradients_warn_once():
         one_step(scaler, model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        one_step(scaler, model, optimizer, 1)
+        scaler.scale(loss_of(model, 1)).backward()
         scaler.unscale_(optimizer)  # an explicit unscale_ of the same optimizer, still silent
+        scaler.step(optimizer)
+        scaler.update()
 
 
 # ------------------------------------------------------------------ reference traces

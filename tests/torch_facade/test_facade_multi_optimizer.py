@@ -61,7 +61,7 @@ def test_optimizer_step_with_a_list_takes_one_global_decision(poisoned):
             assert deep_equal(states_before[0], first.state_dict())
             assert deep_equal(states_before[1], second.state_dict())
         assert all(p.grad is None for p in model.parameters())  # zero_grad() ran
-    assert int(scaler.get_num_skipped_steps()) == 2
+    assert int(scaler.get_num_skipped_steps()) == 4  # two iterations, two optimizer steps each
     assert float(scaler.get_scale()) == DLS["init_scale"] / 4
     expected = plain_run([0, 3, 4])
     torch.testing.assert_close(parameters_of(model), parameters_of(expected), rtol=1e-6, atol=1e-7)
@@ -91,7 +91,7 @@ def test_manual_loop_unscaling_each_optimizer_first_takes_the_global_decision(re
             assert_tensors_equal(params_before, model.parameters())
             assert deep_equal(states_before[0], first.state_dict())
             assert deep_equal(states_before[1], second.state_dict())
-    assert int(scaler.get_num_skipped_steps()) == 2
+    assert int(scaler.get_num_skipped_steps()) == 4  # per skipped optimizer step
     torch.testing.assert_close(
         parameters_of(model), parameters_of(plain_run([1, 3])), rtol=1e-6, atol=1e-7
     )
@@ -111,15 +111,55 @@ def test_optimizer_registered_up_front_joins_the_first_decision():
     scaler.update()
     assert_tensors_equal(params_before, model.parameters())
     assert first.state_dict()["state"] == {} and second.state_dict()["state"] == {}
-    assert int(scaler.get_num_skipped_steps()) == 1
+    assert int(scaler.get_num_skipped_steps()) == 2
 
 
-def test_optimizer_arriving_after_the_decision_raises_and_says_how_to_register():
+@pytest.mark.parametrize("poisoned", ["first", "second"])
+def test_torch_docs_multi_optimizer_loop_works_from_the_first_iteration(poisoned):
+    """torch's documented loop, no registration: one global decision from iteration 0 on.
+
+    Two losses, ``unscale_`` of one optimizer, then both steps. The decision at
+    ``unscale_(first)`` already covers ``second``'s gradients (the parameters the scaled losses
+    reach), so an inf in either skips both, on the very first iteration too.
+    """
     model = TinyNet()
     first, second = two_optimizers(model)
     scaler = cstorch.amp.GradScaler(**DLS)
-    scaler.scale(loss_of(model, 0)).backward()
-    scaler.step(first)  # the decision is taken without ``second``'s gradients
+    for step in range(3):
+        first.zero_grad()
+        second.zero_grad()
+        scaler.scale(loss_of(model, step)).backward(retain_graph=True)
+        scaler.scale(0.0 * loss_of(model, step)).backward()
+        if step in (0, 2):
+            target = model.fc1.weight if poisoned == "first" else model.fc2.bias
+            target.grad.view(-1)[0] = INF
+        params_before = parameters_of(model)
+        states_before = optimizer_snapshot(first), optimizer_snapshot(second)
+        scaler.unscale_(first)
+        assert bool(scaler.get_isfinite()) == (step == 1)  # this iteration's flag already
+        scaler.step(first)
+        scaler.step(second)
+        scaler.update()
+        if step in (0, 2):
+            assert_tensors_equal(params_before, model.parameters())
+            assert deep_equal(states_before[0], first.state_dict())
+            assert deep_equal(states_before[1], second.state_dict())
+    assert int(scaler.get_num_skipped_steps()) == 4
+    torch.testing.assert_close(
+        parameters_of(model), parameters_of(plain_run([1])), rtol=1e-6, atol=1e-7
+    )
+
+
+def test_optimizer_no_loss_reached_in_the_first_iteration_raises_and_says_how_to_register():
+    """Where no design can know: an optimizer first met after a later iteration's decision."""
+    model = TinyNet()
+    first, second = two_optimizers(model)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    scaler.scale(model.fc1(torch.ones(1, 4)).sum()).backward()  # reaches fc1 only
+    scaler.step(first)
+    scaler.update()
+    scaler.scale(loss_of(model, 1)).backward()
+    scaler.step(first)  # the decision: ``second`` was never met, and its grads are not read
     with pytest.raises(RuntimeError, match=r"optimizers="):
         scaler.step(second)
     with pytest.raises(RuntimeError, match=r"optimizers="):
@@ -145,7 +185,7 @@ def test_optimizers_known_from_a_previous_iteration_join_the_decision():
         scaler.step(second)
         scaler.update()
     assert_tensors_equal(params_before, model.parameters())
-    assert int(scaler.get_num_skipped_steps()) == 1
+    assert int(scaler.get_num_skipped_steps()) == 2
 
 
 def test_global_norm_covers_every_optimizer():

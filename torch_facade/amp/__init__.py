@@ -16,11 +16,14 @@ from torch_facade.amp._amp_state import (
     set_half_dtype,
 )
 from torch_facade.amp.cbfloat16 import cast_to_cbfloat16, cbfloat16_numerics, round_to_cbfloat16
-from torch_facade.amp.grad_scaler import GradScaler
+from torch_facade.amp.diagnostics import OverflowReport, scaler_metrics
+from torch_facade.amp.grad_scaler import GradScaler, LossScaleStalledError
 from torch_facade.amp.optimizer_step import optimizer_step
 
 __all__ = [
     "GradScaler",
+    "LossScaleStalledError",
+    "OverflowReport",
     "autocast",
     "cast_to_cbfloat16",
     "cbfloat16_numerics",
@@ -32,5 +35,6 @@ __all__ = [
     "mixed_precision",
     "optimizer_step",
     "round_to_cbfloat16",
+    "scaler_metrics",
     "set_half_dtype",
 ]

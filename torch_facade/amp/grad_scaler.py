@@ -6,17 +6,16 @@ import dataclasses
 import enum
 import functools
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 
 import amp_core
-from torch_facade.amp import _bridge
+from torch_facade.amp import _bridge, _discovery, _distributed, _gradients
 from torch_facade.amp._amp_state import get_half_dtype_str
-from torch_facade.amp._arena import GradientArena
 
 
 class _Stage(enum.Enum):
@@ -25,19 +24,51 @@ class _Stage(enum.Enum):
     STEPPED = 2
 
 
+class LossScaleStalledError(RuntimeError):
+    """Dynamic loss scaling can no longer help: the scale sits at ``min_loss_scale`` and every
+    step still overflows (raised with ``GradScaler(..., raise_on_stall=True)``).
+
+    Attributes:
+        report: the :class:`~torch_facade.amp.OverflowReport` of the last step: which gradients
+            held inf or NaN.
+    """
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 @dataclasses.dataclass
 class _Decision:
     """One iteration's overflow decision, taken once over every known optimizer's gradients.
 
     ``outputs`` are the jitted core's results and ``scalars`` torch's views of the numbers it
-    needs every step (both ``None`` for static scaling, which never checks); the flag and the
-    norm stay JAX arrays until something asks for them.
+    needs (both ``None`` for static scaling, which never checks); the flag and the norm stay JAX
+    arrays until something asks for them.
+
+    Each optimizer's gradients go from scaled to unscaled (and clipped) in one multiply by
+    ``full``; or, when ``unscale_`` comes first with DLS + GCC, in two, as in the reference:
+    ``unscale`` there and ``clip`` at ``step``. ``pending`` holds what each optimizer's
+    gradients still need.
     """
 
-    # Multiplier still to be applied to each optimizer's gradients (by id), if any.
+    # What scaled gradients are multiplied by (None: nothing to do, static scaling by 1).
+    full: torch.Tensor | None
+    # The inverse scale alone, and the clip coefficient alone (None without DLS + GCC).
+    unscale: torch.Tensor | None
+    clip: torch.Tensor | None
+    # What each optimizer's gradients (by optimizer id) still need to be multiplied by.
     pending: dict[int, torch.Tensor]
+    # Parameters (by id) whose gradients were read; None for static scaling, which reads none.
+    covered: frozenset[int] | None
+    # The state that scaled this iteration's gradients.
+    state_before: amp_core.LossScaleState
     outputs: _bridge.FacadeStep | None = None
     scalars: _bridge.StepScalars | None = None
+    # Optimizer steps the core counted on (the known optimizers at the decision).
+    expected_steps: int = 0
+    # Optimizers (by id) whose gradients were unscaled in place (not handed to a fused kernel).
+    unscaled: set[int] = dataclasses.field(default_factory=set)
     scale_updated: bool = False
     _host_isfinite: bool | None = None
 
@@ -55,6 +86,39 @@ class _Decision:
         if self._host_isfinite is None:
             self._host_isfinite = self.outputs is None or bool(self.outputs.isfinite)
         return self._host_isfinite
+
+    def join(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adds an optimizer (met after the decision) whose gradients the decision read."""
+        if self.full is not None:
+            self.pending[id(optimizer)] = self.full
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscales ``optimizer``'s gradients; with GCC the clip waits for ``step``."""
+        if self.pending.get(id(optimizer)) is not self.full:
+            return
+        if self.clip is None:
+            self.finish(optimizer)
+        else:
+            _multiply(optimizer, self.unscale)
+            self.pending[id(optimizer)] = self.clip
+            self.unscaled.add(id(optimizer))
+
+    def finish(self, optimizer: torch.optim.Optimizer) -> None:
+        """Applies whatever ``optimizer``'s gradients still need."""
+        multiplier = self.pending.pop(id(optimizer), None)
+        if multiplier is not None:
+            _multiply(optimizer, multiplier)
+            self.unscaled.add(id(optimizer))
+
+    def inverse_scale_of(self, optimizer: torch.optim.Optimizer) -> float:
+        """What ``optimizer``'s gradients must still be multiplied by to read them unscaled."""
+        if id(optimizer) in self.unscaled:
+            return 1.0
+        return float(1.0 / np.float32(jax.device_get(self.state_before.loss_scale)))
+
+
+def _multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
+    _gradients.multiply_(_gradients.local_tensors(_params(optimizer)), multiplier)
 
 
 def _check_optimizer(value: Any, argument: str) -> torch.optim.Optimizer:
@@ -95,26 +159,30 @@ class GradScaler:
     """Facilitates mixed precision training with static or dynamic loss scaling (DLS, DLS + GCC).
 
     The documented ``cerebras.pytorch.amp.GradScaler``, working with any ``torch.optim``
-    optimizer on any device torch and JAX share. Every number (scale, overflow flag, norm, clip
+    optimizer on any device torch and JAX share, in one process or across the ranks of a
+    ``torch.distributed`` job (DDP, FSDP2). Every number (scale, overflow flag, norm, clip
     coefficient, next scale) comes out of ``amp_core``'s jitted functions; gradients reach JAX
-    through DLPack without copies, as views of one flat buffer per dtype.
+    through DLPack without copies, wherever torch keeps them (fresh tensors after ``zero_grad()``,
+    DDP's buckets, FSDP2's local shards).
 
     Per iteration: ``scale(loss).backward()``, optionally ``unscale_(opt)`` (then clip or inspect
     the gradients), ``step(opt)`` for each optimizer, then ``update()`` once. The overflow
-    decision is taken once, over the gradients of every optimizer this scaler knows: an inf in any
-    of them skips all. An optimizer becomes known when it is passed to any method (or to
-    ``optimizers=`` here) and stays known.
+    decision is taken once per iteration, at the first ``unscale_`` (else the first ``step``),
+    from the gradients as they are then, over the gradients of every optimizer this scaler
+    knows: an inf in any of them skips all, and in a distributed job on every rank. An optimizer
+    becomes known when it is passed to any method (or to ``optimizers=`` here) and stays known;
+    in the first iteration the decision also covers every parameter the scaled losses reach, so
+    torch's multi-optimizer loop works without registration.
 
-    Host synchronisation: the first ``step`` of an iteration waits for the jitted check (it reads
-    the gradients, so torch must not write them meanwhile; on the CPU this is just the
-    computation, on a GPU a wait for the device). Non-fused optimizers also read ``isfinite`` as
-    a Python bool, once per iteration. Optimizers with a fused unscale-and-skip kernel
-    (``Adam``/``AdamW``/``SGD`` with ``fused=True``, once their state exists) get the scale and
-    the overflow flag as tensors instead. ``state_dict`` synchronises. ``get_isfinite`` and
-    ``get_global_norm`` return tensors.
+    Host synchronisation: the decision waits for the jitted check (it reads the gradients, so
+    torch must not write them meanwhile; on the CPU this is just the computation, on a GPU a
+    wait for the device). Non-fused optimizers also read ``isfinite`` as a Python bool, once per
+    iteration. Optimizers with a fused unscale-and-skip kernel (``Adam``/``AdamW``/``SGD`` with
+    ``fused=True``, once their state exists) get the scale and the overflow flag as tensors
+    instead. ``state_dict`` synchronises. ``get_isfinite`` and ``get_global_norm`` return tensors.
 
-    A backward pass after the iteration's first ``step`` (alternating losses, as in GAN loops)
-    raises a ``RuntimeError`` at the next scaler call: its gradients were not part of the
+    A backward pass of a scaled loss after the iteration's decision (alternating losses, as in
+    GAN loops) raises a ``RuntimeError`` in ``scale()``: its gradients would not be part of the
     decision. Use one scaler per optimizer for such loops.
 
     Args:
@@ -127,6 +195,11 @@ class GradScaler:
         max_gradient_norm: with DLS, clip gradients to this global norm in the overflow check's
             pass (DLS + GCC). Ignored for static scaling.
         optimizers: optimizers to register up front (optional).
+        process_group: the ``torch.distributed`` group whose ranks take one decision together
+            (default: the default group, when torch.distributed is initialized).
+        stall_steps: DLS warns (once) when this many consecutive steps overflowed with the
+            scale already at ``min_loss_scale`` (default ``steps_per_increase``).
+        raise_on_stall: raise :class:`LossScaleStalledError` instead of warning.
 
     Raises:
         ValueError: invalid values (SPEC section 1).
@@ -157,6 +230,9 @@ class GradScaler:
         max_gradient_norm: float | None = None,
         *,
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        process_group: Any = None,
+        stall_steps: int | None = None,
+        raise_on_stall: bool = False,
     ) -> None:
         self._config = amp_core.make_config(
             loss_scale,
@@ -167,23 +243,33 @@ class GradScaler:
             overflow_tolerance=overflow_tolerance,
             max_gradient_norm=max_gradient_norm,
             half_dtype=get_half_dtype_str(),
+            stall_steps=stall_steps,
         )
-        self._dynamic = self._config.is_dynamic
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._stages: dict[torch.optim.Optimizer, _Stage] = {}
-        self._arena: GradientArena | None = None
-        self._jax_flats: tuple[jax.Array, ...] = ()
-        self._grad_hooks: list[Any] = []
-        self._late_gradients = False  # a backward ran after this iteration's decision
-        self._scaled = False  # scale() was called since the last update()
-        self._arena_key: tuple[Any, ...] | None = None
-        self._decision: _Decision | None = None
+        if not isinstance(raise_on_stall, bool):
+            raise TypeError(f"raise_on_stall must be a bool; got {raise_on_stall!r}")
+        _distributed.check_group(process_group)
+        self._process_group = process_group
+        self._raise_on_stall = raise_on_stall
         self._warned_dtype = False
+        self._start_session()
         # Committed to a device from the start, so every step sees the same argument kinds.
         self._set_state(jax.device_put(amp_core.init(self._config), jax.devices()[0]))
         if optimizers is not None:
             for optimizer in _optimizer_list(optimizers, "optimizers"):
                 self._register(optimizer)
+
+    def _start_session(self) -> None:
+        """The per-process bookkeeping, empty (a new or an unpickled scaler)."""
+        self._dynamic = self._config.is_dynamic
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._stages: dict[torch.optim.Optimizer, _Stage] = {}
+        self._scaled = False  # scale() was called since the last update()
+        self._decision: _Decision | None = None
+        self._last_decision: _Decision | None = None
+        # In the first iteration, the parameters the scaled losses reach join the decision.
+        self._discovering = True
+        self._reached: list[torch.Tensor] = []
+        self._warned_stall = False
 
     # ------------------------------------------------------------------ state
 
@@ -211,16 +297,18 @@ class GradScaler:
         """Returns the real scaler state for a checkpoint (a host synchronisation).
 
         DLS: ``loss_scale`` (float32 tensor), ``steps_since_rescale``,
-        ``overflows_since_rescale`` and ``num_skipped_steps`` (int64 tensors). Static:
-        ``loss_scale``. Unlike the reference off Cerebras hardware, never ``{}``.
+        ``overflows_since_rescale``, ``num_skipped_steps`` and ``overflows_at_min_scale``
+        (int64 tensors). Static: ``loss_scale``. Unlike the reference off Cerebras hardware,
+        never ``{}``. In a distributed job it is the same on every rank.
 
         Args:
             destination: a dict to fill and return instead of a new one.
 
         Example:
             >>> import torch_facade as cstorch
-            >>> sorted(cstorch.amp.GradScaler(loss_scale="dynamic").state_dict())
-            ['loss_scale', 'num_skipped_steps', 'overflows_since_rescale', 'steps_since_rescale']
+            >>> sorted(cstorch.amp.GradScaler(loss_scale="dynamic").state_dict())  # doctest: +NORMALIZE_WHITESPACE
+            ['loss_scale', 'num_skipped_steps', 'overflows_at_min_scale',
+             'overflows_since_rescale', 'steps_since_rescale']
         """
         if destination is not None and not isinstance(destination, dict):
             raise TypeError(f"destination must be a dict or None; got {type(destination).__name__}")
@@ -233,7 +321,8 @@ class GradScaler:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads the keys present in ``state_dict``; absent keys keep their values.
 
-        Values may be tensors or numbers. Must be called between iterations.
+        Values may be tensors or numbers. Must be called between iterations. Checkpoints
+        written before ``overflows_at_min_scale`` existed load too.
 
         Raises:
             TypeError: not a mapping, or a value that is not a number.
@@ -247,8 +336,7 @@ class GradScaler:
             >>> scaler.get_scale()
             tensor(1024.)
         """
-        busy = self._scaled or any(s is not _Stage.READY for s in self._stages.values())
-        if busy or self._decision is not None:
+        if self._busy():
             raise RuntimeError(
                 "load_state_dict() must be called between iterations (after update()), not "
                 "between scale() and update(): the gradients were scaled with the old scale"
@@ -256,7 +344,47 @@ class GradScaler:
         state = amp_core.from_state_dict(self._config, self._state, state_dict)
         self._set_state(jax.device_put(state, next(iter(self._state.loss_scale.devices()))))
 
+    def _busy(self) -> bool:
+        stepping = any(s is not _Stage.READY for s in self._stages.values())
+        return self._scaled or stepping or self._decision is not None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles between iterations: the configuration and the whole state, on the host.
+
+        Known optimizers are not pickled (as with ``torch.amp.GradScaler``): an unpickled
+        scaler meets them again at its next call.
+        """
+        if self._busy():
+            raise RuntimeError(
+                "a GradScaler can only be pickled (or deep-copied) between iterations, after "
+                "update(): this one is between scale() and update()"
+            )
+        if self._process_group is not None:
+            raise TypeError("a GradScaler with an explicit process_group cannot be pickled")
+        return {
+            "config": self._config,
+            "state": jax.device_get(self._state),
+            "raise_on_stall": self._raise_on_stall,
+            "warned_dtype": self._warned_dtype,
+        }
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self._config = pickled["config"]
+        self._process_group = None
+        self._raise_on_stall = pickled["raise_on_stall"]
+        self._warned_dtype = pickled["warned_dtype"]
+        self._start_session()
+        state = amp_core.LossScaleState(*pickled["state"])
+        self._set_state(jax.device_put(state, jax.devices()[0]))
+
     # --------------------------------------------------------------- accessors
+
+    def is_enabled(self) -> bool:
+        """Whether the scaler does anything: ``False`` only for static scaling by 1.
+
+        As ``torch.amp.GradScaler.is_enabled``, which trainers ask.
+        """
+        return not self._identity
 
     def get_scale(self) -> torch.Tensor | float:
         """The current loss scale: a float32 tensor for DLS, a float for static scaling."""
@@ -270,13 +398,19 @@ class GradScaler:
         return value.clone() if self._dynamic else float(value)
 
     def get_num_skipped_steps(self) -> torch.Tensor:
-        """Steps skipped for overflow so far (int64 tensor; always 0 for static scaling)."""
+        """Optimizer steps skipped for overflow so far (int64 tensor; 0 for static scaling).
+
+        Each skipped ``step(optimizer)`` counts, as in the reference: an iteration that skips
+        two optimizers adds 2.
+        """
         return _bridge.to_torch(self._state.num_skipped_steps).to(torch.int64)
 
     def get_isfinite(self) -> torch.Tensor:
         """The skip signal: whether this iteration's (or else the last) step was finite.
 
-        A new bool tensor (a copy), without a host synchronisation.
+        Once the iteration's decision is taken (at the first ``unscale_`` or ``step``), this is
+        the iteration's flag; after ``update()`` it is the last iteration's. A new bool tensor
+        (a copy), without a host synchronisation.
         """
         if self._decision is not None:
             return self._decision.isfinite()
@@ -299,10 +433,21 @@ class GradScaler:
 
         Raises:
             TypeError: ``loss`` is not a tensor.
+            RuntimeError: DLS, and this iteration's overflow decision was already taken.
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor; got {type(loss).__name__}")
+        if self._decision is not None and self._dynamic:
+            raise RuntimeError(
+                "scale() was called after this iteration's overflow decision, which was taken "
+                "at the first unscale_() or step() over every optimizer's gradients: the "
+                "gradients of this loss would never be checked. Run every backward pass of an "
+                "iteration before the first unscale_()/step() (as one loss over all models), or "
+                "use one GradScaler per optimizer for alternating losses (GAN-style loops)."
+            )
         self._scaled = True
+        if self._discovering and self._dynamic and loss.grad_fn is not None:
+            self._reached.extend(_discovery.reached_parameters(loss))
         if self._identity:
             return loss.float()
         return loss.float() * self._scale_t.to(loss.device, non_blocking=True)
@@ -310,12 +455,16 @@ class GradScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscales the gradients of ``optimizer``'s parameters in place.
 
-        A no-op if already unscaled this iteration. Once the iteration's overflow decision was
-        taken with DLS + GCC, this also clips (the reference clips inside ``step``).
+        The first ``unscale_`` of an iteration takes the iteration's overflow decision, from
+        the gradients as they are now: changes made to them afterwards (clipping, overwriting)
+        do not change it, and ``get_isfinite()``/``get_global_norm()`` read after it are this
+        iteration's. With DLS + GCC the gradients are clipped here too (the reference clips
+        inside ``step``). A no-op if already unscaled this iteration.
 
         Raises:
             TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-            RuntimeError: called after ``step(optimizer)`` in the same iteration.
+            RuntimeError: called after ``step(optimizer)`` in the same iteration, or without a
+                ``scale(loss).backward()`` since the last ``update()``.
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -324,10 +473,8 @@ class GradScaler:
             return
         if stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        if self._decision is None:
-            self._apply(optimizer, self._inv_scale_t)
-        else:
-            self._apply_pending(optimizer)
+        self._require_scaled("unscale_")
+        self._decide().unscale_(optimizer)
         self._stages[optimizer] = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -342,7 +489,8 @@ class GradScaler:
         Raises:
             TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
             RuntimeError: ``step`` was already called for ``optimizer`` since the last
-                ``update()``, or ``optimizer`` joined after this iteration's decision.
+                ``update()``; no ``scale(loss).backward()`` since the last ``update()``; or
+                ``optimizer``'s gradients were not part of this iteration's decision.
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -358,13 +506,12 @@ class GradScaler:
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
+        self._require_scaled("step")
         decision = self._decide()
-        multiplier = decision.pending.pop(id(optimizer), None)
-        if multiplier is not None and self._fused_step_possible(optimizer):
+        if self._fused_step_possible(optimizer, decision):
             result = self._fused_step(optimizer, decision, args, kwargs)
         else:
-            if multiplier is not None:
-                self._apply(optimizer, multiplier)
+            decision.finish(optimizer)
             result = optimizer.step(*args, **kwargs) if decision.host_isfinite() else None
         self._stages[optimizer] = _Stage.STEPPED
         return result
@@ -380,10 +527,11 @@ class GradScaler:
         optimizers = _optimizer_list(optimizers, "optimizers")
         for optimizer in optimizers:
             self._register(optimizer)
+        self._require_scaled("clip_gradients_and_return_isfinite")
         decision = self._decide()
         for optimizer in optimizers:
             if self._stages[optimizer] is _Stage.READY:
-                self._apply_pending(optimizer)
+                decision.finish(optimizer)
                 self._stages[optimizer] = _Stage.UNSCALED
         return decision.isfinite()
 
@@ -394,10 +542,16 @@ class GradScaler:
         if not self._dynamic:
             return
         decision = self._decide()
-        if not decision.scale_updated:
-            assert decision.outputs is not None
+        if decision.scale_updated:
+            return
+        assert decision.outputs is not None
+        stepped = sum(stage is _Stage.STEPPED for stage in self._stages.values())
+        if stepped == decision.expected_steps:
             self._set_state(decision.outputs.next_state, decision.scalars)
-            decision.scale_updated = True
+        else:  # an optimizer joined late, or one known optimizer did not step
+            state = decision.outputs.next_state
+            self._set_state(_bridge.recount_skipped_steps(decision.state_before, state, stepped))
+        decision.scale_updated = True
 
     def update(self, new_scale: Any = None) -> None:
         """Updates the scale once all optimizers have been stepped, and starts a new iteration.
@@ -406,6 +560,8 @@ class GradScaler:
             ValueError: ``new_scale`` is given (not supported).
             RuntimeError: DLS, and nothing was unscaled or stepped since the last ``update()``
                 (there is no overflow check to update from; torch's scaler raises here too).
+            LossScaleStalledError: with ``raise_on_stall=True``, once ``stall_steps``
+                consecutive steps overflowed at ``min_loss_scale``.
         """
         if new_scale is not None and _truthy(new_scale):
             raise ValueError("GradScaler.update() does not support providing a `new_scale`")
@@ -417,24 +573,109 @@ class GradScaler:
                     "update(): there is no overflow check to update the loss scale from"
                 )
             self.update_scale(self._optimizers)
+        self._last_decision = self._decision
         self._decision = None
-        self._late_gradients = self._scaled = False
+        self._scaled = False
+        if self._optimizers:
+            self._discovering = False
+            self._reached = []
         for optimizer in self._stages:
             self._stages[optimizer] = _Stage.READY
+        if self._dynamic and self._last_decision is not None:
+            self._check_stall(self._last_decision)
+
+    # ------------------------------------------------------------ diagnostics
+
+    def nonfinite_gradients(self, module: torch.nn.Module | None = None) -> Any:
+        """Which gradients held inf or NaN at this iteration's (or the last) decision.
+
+        Reads the gradients again, so call it only to diagnose a skipped step (after
+        ``step()``, before ``zero_grad()``); nothing of it runs on a healthy step.
+
+        Args:
+            module: names the parameters (``module.named_parameters()``); without it they are
+                named by position, ``"optimizer0.param_groups[1].params[3]"``.
+
+        Returns:
+            An :class:`~torch_facade.amp.OverflowReport`.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> model.bias.grad.fill_(float("nan"))
+            tensor([nan])
+            >>> scaler.step(optimizer)
+            >>> print(scaler.nonfinite_gradients(model))
+            1 of 2 gradients non-finite: bias (1 element)
+        """
+        from torch_facade.amp.diagnostics import overflow_report
+
+        return overflow_report(self, module)
+
+    def _check_stall(self, decision: _Decision) -> None:
+        """Warns (or raises) when the run has overflowed at ``min_loss_scale`` for too long.
+
+        Reads one number the decision already exported: free on the CPU, and skipped where the
+        host already knows the step was finite.
+        """
+        scalars = decision.scalars
+        if scalars is None or decision._host_isfinite is True:
+            self._warned_stall = False
+            return
+        if scalars.overflows_at_min_scale.device.type != "cpu" and decision._host_isfinite is None:
+            return  # a fused step on an accelerator: no host sync for this (see README)
+        count = int(scalars.overflows_at_min_scale)
+        if count < self._config.stall_steps:
+            self._warned_stall = self._warned_stall and count > 0
+            return
+        message = (
+            f"dynamic loss scaling has stalled: {count} consecutive steps overflowed with the "
+            f"loss scale already at min_loss_scale={self._config.min_loss_scale}, so every step "
+            "is skipped and lowering the scale cannot help. The gradients are inf or NaN for "
+            "another reason (a diverged model, bad data, a learning rate that is too high): "
+            "see GradScaler.nonfinite_gradients() for which parameters."
+        )
+        if self._raise_on_stall:
+            raise LossScaleStalledError(message, self.nonfinite_gradients())
+        if not self._warned_stall:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            self._warned_stall = True
 
     # --------------------------------------------------------------- internals
+
+    def _require_scaled(self, method: str) -> None:
+        if not self._scaled and not self._identity:
+            raise RuntimeError(
+                f"{method}() was called without scale(loss).backward() since the last update(): "
+                "the gradients were never scaled, so unscaling them would divide them by the "
+                "loss scale. Call grad_scaler.scale(loss).backward() first."
+            )
 
     def _register(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer in self._stages:
             return
-        if self._decision is not None and self._dynamic:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} reached this GradScaler after this iteration's "
-                "overflow decision was taken without its gradients. Register every optimizer "
-                "up front with GradScaler(..., optimizers=[opt1, opt2]), or call unscale_() on "
-                "each optimizer before the first step() (as optimizer_step does)."
+        params = _params(optimizer)
+        if any(getattr(p, "_fsdp_flattened", False) for p in params):
+            raise ValueError(
+                "GradScaler does not support FSDP1 (FullyShardedDataParallel) parameters: their "
+                "gradients are flat shards the scaler cannot tell from replicas. Use FSDP2 "
+                "(torch.distributed.fsdp.fully_shard), whose DTensor gradients it supports."
             )
-        if not self._warned_dtype and any(p.dtype != torch.float32 for p in _params(optimizer)):
+        decision = self._decision
+        if decision is not None and decision.covered is not None:
+            unread = [p for p in params if p.grad is not None and id(p) not in decision.covered]
+            if unread:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} reached this GradScaler after this iteration's "
+                    "overflow decision was taken without its gradients. Register every "
+                    "optimizer up front with GradScaler(..., optimizers=[opt1, opt2]), or call "
+                    "unscale_() on each optimizer before the first step() (as optimizer_step "
+                    "does)."
+                )
+        if not self._warned_dtype and any(p.dtype != torch.float32 for p in params):
             warnings.warn(
                 "GradScaler is unscaling gradients that are not float32 in their own dtype",
                 UserWarning,
@@ -443,130 +684,101 @@ class GradScaler:
             self._warned_dtype = True
         self._optimizers.append(optimizer)
         self._stages[optimizer] = _Stage.READY
-        if self._decision is not None:  # static scaling: join the decision
-            self._decision.pending[id(optimizer)] = self._inv_scale_t
+        if decision is not None:
+            decision.join(optimizer)
 
-    def _prepare_arena(self) -> GradientArena:
-        key = tuple((id(o), tuple(map(id, _params(o)))) for o in self._optimizers)
-        arena = self._arena
-        if arena is None or key != self._arena_key or not arena.sync():
-            # New parameters, or parameters that changed dtype, device or shape (module.to()).
-            arena = GradientArena([_params(o) for o in self._optimizers])
-            devices = {group.device for group in arena.groups}
-            if len(devices) > 1:
-                raise ValueError(
-                    f"GradScaler needs all parameters on one device; got {sorted(map(str, devices))}"
-                )
-            if devices:
-                self._set_state(_bridge.place_state(self._state, devices.pop()))
-            self._arena, self._arena_key = arena, key
-            self._watch_late_gradients([p for o in self._optimizers for p in _params(o)])
-            # On the CPU the flats are imported once per arena: the views alias torch's memory,
-            # so every step's core reads the current gradients (and never runs while torch
-            # writes them). Elsewhere they are imported each step, so that DLPack orders the
-            # read after torch's pending work on the device's stream.
-            self._jax_flats = self._import_flats(arena)
-        elif arena.groups and arena.groups[0].device.type != "cpu":
-            self._jax_flats = self._import_flats(arena)
-        return arena
-
-    @staticmethod
-    def _import_flats(arena: GradientArena) -> tuple[jax.Array, ...]:
-        return tuple(_bridge.to_jax(flat) for flat in arena.flats())
-
-    def _watch_late_gradients(self, params: list[torch.Tensor]) -> None:
-        """Hooks every parameter so that a backward after the decision is caught, not ignored."""
-        for handle in self._grad_hooks:
-            handle.remove()
-        scaler = weakref.ref(self)
-
-        def on_gradient(_: torch.Tensor) -> None:
-            owner = scaler()
-            if owner is not None and owner._decision is not None:
-                owner._late_gradients = True
-
-        self._grad_hooks = [
-            p.register_post_accumulate_grad_hook(on_gradient)
-            for p in params
-            if p.requires_grad and p.is_leaf
-        ]
-
-    def _apply(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
-        if self._dynamic:
-            # After the decision the arena was validated for this iteration (and a later
-            # backward is caught by the gradient hooks), so it is not re-checked per optimizer.
-            arena = self._arena if self._decision is not None else None
-            arena = arena or self._prepare_arena()
-            arena.mul_(self._optimizers.index(optimizer), multiplier)
-        elif not self._identity:
-            grads = [p.grad for p in _params(optimizer) if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, multiplier.to(grads[0].device))
-
-    def _apply_pending(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self._decision is not None
-        multiplier = self._decision.pending.pop(id(optimizer), None)
-        if multiplier is not None:
-            self._apply(optimizer, multiplier)
+    def _participants(self) -> list[torch.Tensor]:
+        """Every known optimizer's parameters, then (first iteration) those the losses reach."""
+        params = [p for o in self._optimizers for p in _params(o)]
+        seen = {id(p) for p in params}
+        if len(seen) != len(params):
+            raise ValueError(
+                "a parameter appears twice among the optimizers known to this GradScaler; each "
+                "parameter must belong to one optimizer and one param group"
+            )
+        for param in self._reached:
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+        return params
 
     def _decide(self, clip_norm: float | None = None) -> _Decision:
-        """Takes the iteration's overflow decision once, over every known optimizer.
+        """Takes the iteration's overflow decision once, over every participating gradient.
 
         ``clip_norm`` (DLS only) clips by that global norm in the same pass, as DLS + GCC does;
         ``optimizer_step(..., max_gradient_norm=...)`` uses it.
         """
         if self._decision is not None:
-            if self._late_gradients:
-                raise RuntimeError(
-                    "a backward pass accumulated gradients after this iteration's overflow "
-                    "decision, which was taken over every optimizer's gradients at the first "
-                    "step(): those gradients were never checked. Run every backward pass of an "
-                    "iteration before the first step() (as one loss over all models), or use one "
-                    "GradScaler per optimizer for alternating losses (GAN-style loops)."
-                )
             return self._decision
-        config = self._config
-        if clip_norm is not None:
-            config = _with_clip_norm(config, clip_norm)
-        participants = tuple(self._optimizers)
         if not self._dynamic:  # static scaling never checks: apply every step
-            self._decision = _Decision(
-                pending={
-                    id(o): self._inv_scale_t
-                    for o in participants
-                    if self._stages[o] is _Stage.READY
-                },
-            )
+            multiplier = None if self._identity else self._inv_scale_t
+            pending = {id(o): multiplier for o in self._optimizers if multiplier is not None}
+            self._decision = _Decision(multiplier, multiplier, None, pending, None, self._state)
             return self._decision
-        arena = self._prepare_arena()
-        unscaled = any(self._stages[o] is _Stage.UNSCALED for o in participants)
-        if unscaled:  # someone called unscale_: bring every optimizer to the unscaled state
-            for index, optimizer in enumerate(participants):
-                if self._stages[optimizer] is _Stage.READY:
-                    arena.mul_(index, self._inv_scale_t)
-                    self._stages[optimizer] = _Stage.UNSCALED
-        out = _bridge.step_core(config, unscaled)(self._state, self._jax_flats)
-        scalars = _bridge.step_scalars(out)  # waits: torch must not write the grads meanwhile
-        multiplier = scalars.multiplier
-        if unscaled:
-            pending: dict[int, torch.Tensor] = {}
-            if config.clips:
-                arena.mul_all_(multiplier)
+        config = self._config if clip_norm is None else _with_clip_norm(self._config, clip_norm)
+        grads = _gradients.read(self._participants())
+        self._check_meshes(grads)
+        if grads.device is not None:
+            placed = _bridge.place_state(self._state, grads.device)
+            if placed is not self._state:
+                self._set_state(placed)
+        state, steps = self._state, len(self._optimizers)
+        collective = _distributed.collective(self._process_group)
+        if collective is None:
+            arrays = _bridge.import_tensors(grads.sharded + grads.replicated)
+            out = _bridge.local_core(config)(state, arrays, steps)
         else:
-            pending = {id(o): multiplier for o in participants}
+            partials = _bridge.partials_core()(
+                state,
+                _bridge.import_tensors(grads.sharded),
+                _bridge.import_tensors(grads.replicated),
+            )
+            gathered = collective.gather(_bridge.to_torch(partials))
+            out = _bridge.distributed_core(config)(state, _bridge.to_jax(gathered), steps)
+        scalars = _bridge.step_scalars(out)  # waits: torch must not write the grads meanwhile
+        if collective is not None and scalars.consistent.device.type == "cpu":
+            self._check_consistent(scalars)
         self._decision = _Decision(
-            pending=pending,
+            full=scalars.multiplier,
+            unscale=self._inv_scale_t,
+            clip=scalars.clip_multiplier if config.clips else None,
+            pending={id(o): scalars.multiplier for o in self._optimizers},
+            covered=grads.covered,
+            state_before=state,
             outputs=out,
             scalars=scalars,
+            expected_steps=steps,
         )
         return self._decision
 
-    def _fused_step_possible(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _check_meshes(self, grads: _gradients.GradientRead) -> None:
+        for mesh_group in grads.mesh_groups:
+            if not _distributed.same_ranks(mesh_group, self._process_group):
+                raise ValueError(
+                    "GradScaler's process group and the device mesh of the DTensor gradients "
+                    f"hold different ranks ({_distributed.ranks(self._process_group)} vs "
+                    f"{_distributed.ranks(mesh_group)}): the decision must be taken over the "
+                    "ranks that shard the gradients. Pass process_group=mesh.get_group()."
+                )
+
+    @staticmethod
+    def _check_consistent(scalars: _bridge.StepScalars) -> None:
+        if float(scalars.consistent) != 1.0:
+            raise RuntimeError(
+                "the ranks' GradScalers disagree on the loss scale, so their decisions were "
+                "not taken together: every rank must load the same state_dict and call "
+                "scale/unscale_/step/update in the same order"
+            )
+
+    def _fused_step_possible(self, optimizer: torch.optim.Optimizer, decision: _Decision) -> bool:
         """Whether ``optimizer`` can unscale and skip in its fused kernel, changing nothing.
 
         Only once its state exists: a skipped first step would otherwise create zero state.
+        And only for gradients still scaled or fully unscaled (not waiting for a GCC clip).
         """
         if not self._dynamic or not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        if decision.pending.get(id(optimizer), decision.full) is not decision.full:
             return False
         if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
             return False
@@ -588,7 +800,11 @@ class GradScaler:
         kwargs: dict[str, Any],
     ) -> Any:
         assert decision.scalars is not None
-        optimizer.grad_scale = decision.scalars.grad_scale  # type: ignore[attr-defined]
+        # Gradients still scaled are unscaled (and clipped) by the kernel; gradients already
+        # unscaled by unscale_() only need the overflow flag.
+        still_scaled = decision.pending.pop(id(optimizer), None) is not None
+        grad_scale = decision.scalars.grad_scale if still_scaled else None
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = decision.scalars.found_inf  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
