@@ -35,10 +35,10 @@ class Collective:
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
         """``partials`` (``float32[3]``) of every rank, as ``float32[world_size, 3]``."""
-        out = torch.empty((self.world_size, *partials.shape), dtype=partials.dtype)
-        out = out.to(partials.device)
-        dist.all_gather_into_tensor(out, partials.contiguous(), group=self.group)
-        return out
+        flat = partials.reshape(-1).contiguous()
+        out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(out, flat, group=self.group)
+        return out.view(self.world_size, *partials.shape)
 
 
 def ranks(group: Any) -> list[int]:
