@@ -18,20 +18,26 @@ TIMEOUT_S = 180
 
 
 def readme_script(text: str) -> tuple[str, int]:
-    """The README's python blocks in place, every other line blank; and how many blocks."""
+    """The README's python blocks in place, every other line blank; and how many blocks.
+
+    A block fenced inside a list item is indented as its fence is: that indentation is
+    Markdown's, not Python's, and is removed.
+    """
     lines: list[str] = []
     inside = False
     blocks = 0
+    indent = 0
     for line in text.splitlines():
         fence = line.strip()
         if not inside and fence == "```python":
             inside, blocks = True, blocks + 1
+            indent = len(line) - len(line.lstrip())
             lines.append("")
         elif inside and fence == "```":
             inside = False
             lines.append("")
         else:
-            lines.append(line if inside else "")
+            lines.append(line[indent:] if inside else "")
     assert not inside, "README.md has an unclosed ```python block"
     return "\n".join(lines) + "\n", blocks
 
@@ -41,6 +47,13 @@ def test_readme_script_keeps_line_numbers_and_only_python_blocks():
     script, blocks = readme_script(text)
     assert blocks == 2
     assert script.splitlines() == ["", "", "x = 1", "", "", "", "", "", "print(x)", ""]
+
+
+def test_readme_script_removes_the_indentation_of_blocks_in_list_items():
+    text = "* item:\n\n  ```python\n  if x:\n      y = 1\n  ```\n"
+    script, blocks = readme_script(text)
+    assert blocks == 1
+    assert script.splitlines() == ["", "", "", "if x:", "    y = 1", ""]
 
 
 def test_readme_python_blocks_run(tmp_path: Path):
