@@ -70,7 +70,8 @@ def _is_float(leaf: Any) -> bool:
 def _unscaled(grad: jax.Array, inv_scale: jax.Array) -> jax.Array:
     # Multiply in float32 and round once to the gradient's dtype, as torch's ``g.mul_(inv)`` does:
     # the reciprocal of a large scale (2**-31) is not representable in float16.
-    return (grad.astype(jnp.float32) * inv_scale).astype(grad.dtype)
+    # A float64 leaf (with 64-bit JAX disabled) is computed and returned in float32.
+    return (grad.astype(jnp.float32) * inv_scale).astype(jax.dtypes.canonicalize_dtype(grad.dtype))
 
 
 def sum_of_unscaled_squares(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:

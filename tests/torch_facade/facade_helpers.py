@@ -6,10 +6,12 @@ are powers of two, scaling and unscaling are exact, so a facade run must reprodu
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import jax
 import torch
 
 INF = float("inf")
@@ -140,3 +142,23 @@ def state_tensor_count(optimizer: torch.optim.Optimizer) -> int:
     return sum(
         isinstance(v, torch.Tensor) for state in optimizer.state.values() for v in state.values()
     )
+
+
+# JAX's monitoring events for one backend compilation and one jaxpr trace.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+
+
+@contextlib.contextmanager
+def jax_compile_events() -> Iterator[list[str]]:
+    """Collects the names of JAX's compile-time events (see ``COMPILE_EVENT``) in the block."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

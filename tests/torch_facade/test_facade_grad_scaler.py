@@ -242,6 +242,7 @@ def test_trace_subset_is_not_trivial():
 
 
 @pytest.mark.parametrize("index", TRACE_CASES)
+@pytest.mark.filterwarnings("ignore:dynamic loss scaling has stalled")  # traces sit at the minimum
 def test_facade_reproduces_reference_trace(index):
     """The recorded loop: scale, backward, inf on overflow steps, unscale_, step, update."""
     case = load_cases()[index]

@@ -20,7 +20,12 @@ from hardware.devices import jax_device_for
 
 
 def to_jax(tensor: torch.Tensor) -> jax.Array:
-    """Zero-copy import of a torch tensor through the public DLPack API (any device).
+    """Zero-copy import of one torch tensor (see :func:`import_tensors`)."""
+    return _importer_for(tensor)(tensor)
+
+
+def _public_import(tensor: torch.Tensor) -> jax.Array:
+    """Import through the public DLPack API (any device).
 
     Zero-copy when the tensor is contiguous and 64-byte aligned; otherwise JAX copies.
     """
@@ -57,7 +62,7 @@ def _cpu_importer() -> Any:
             return importer
     except Exception:
         pass
-    return to_jax
+    return _public_import
 
 
 @functools.cache
@@ -73,10 +78,12 @@ def import_tensors(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:
     """
     if not tensors:
         return ()
-    if tensors[0].device.type == "cpu":
-        importer = _fast_cpu_import()
-        return tuple(importer(t) for t in tensors)
-    return tuple(to_jax(t) for t in tensors)
+    importer = _importer_for(tensors[0])
+    return tuple(importer(t) for t in tensors)
+
+
+def _importer_for(tensor: torch.Tensor) -> Any:
+    return _fast_cpu_import() if tensor.device.type == "cpu" else _public_import
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
@@ -171,9 +178,18 @@ def _partials(
         [
             amp_core.sum_of_unscaled_squares(sharded, inv),
             amp_core.sum_of_unscaled_squares(replicated, inv),
-            state.loss_scale,
+            *_fingerprint(state),
         ]
     )
+
+
+def _fingerprint(state: amp_core.LossScaleState) -> list[jax.Array]:
+    """What every rank's scaler must agree on before a joint decision (as float32)."""
+    return [
+        state.loss_scale,
+        state.steps_since_rescale.astype(jnp.float32),
+        state.overflows_since_rescale.astype(jnp.float32),
+    ]
 
 
 def _distributed_step(
@@ -183,7 +199,7 @@ def _distributed_step(
     optimizer_steps: jax.Array,
 ) -> FacadeStep:
     total = amp_core.combine_partials(gathered[:, :2])
-    consistent = jnp.all(gathered[:, 2] == state.loss_scale)
+    consistent = jnp.all(gathered[:, 2:] == jnp.stack(_fingerprint(state)))
     return _finish(config, state, total, optimizer_steps, consistent)
 
 
@@ -195,13 +211,14 @@ def local_core(config: amp_core.LossScaleConfig) -> Any:
 
 @functools.cache
 def partials_core() -> Any:
-    """A distributed job's local half: this rank's sharded and replicated sums, and its scale."""
+    """A distributed job's local half: this rank's sharded and replicated sums, and the scale and
+    counters every rank must agree on (``float32[5]``)."""
     return jax.jit(_partials)
 
 
 @functools.cache
 def distributed_core(config: amp_core.LossScaleConfig) -> Any:
-    """A distributed job's finish, from every rank's gathered partials (``float32[ranks, 3]``)."""
+    """A distributed job's finish, from every rank's gathered partials (``float32[ranks, 5]``)."""
     return jax.jit(functools.partial(_distributed_step, config))
 
 

@@ -11,7 +11,10 @@ import torch
 
 
 def reached_parameters(loss: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors that ``loss.backward()`` accumulates gradients into, in graph order."""
+    """The parameters (``torch.nn.Parameter`` leaves) ``loss.backward()`` accumulates into.
+
+    Other leaves that require grad (an input for a gradient penalty) are no optimizer's.
+    """
     found: list[torch.Tensor] = []
     seen: set[object] = set()
     stack = [loss.grad_fn]
@@ -21,7 +24,7 @@ def reached_parameters(loss: torch.Tensor) -> list[torch.Tensor]:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if isinstance(variable, torch.Tensor):
+        if isinstance(variable, torch.nn.Parameter):
             found.append(variable)
         stack.extend(child for child, _ in node.next_functions)
     return found

@@ -1,8 +1,8 @@
 """One decision for every rank: the cross-rank half of the overflow check.
 
 Each rank computes its partial sums of squares (sharded and replicated, see
-:func:`amp_core.combine_partials`) and its loss scale in JAX; this module gathers those three
-float32 numbers from every rank with one ``all_gather`` of the process group, and amp_core
+:func:`amp_core.combine_partials`) and its loss scale and counters in JAX; this module gathers
+those five float32 numbers from every rank with one ``all_gather`` of the process group, and amp_core
 combines them identically on every rank. The gradients themselves never travel.
 """
 
@@ -34,11 +34,20 @@ class Collective:
         self.world_size = dist.get_world_size(group)
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
-        """``partials`` (``float32[3]``) of every rank, as ``float32[world_size, 3]``."""
+        """``partials`` (``float32[k]``) of every rank, as ``float32[world_size, k]``."""
         flat = partials.reshape(-1).contiguous()
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(out, flat, group=self.group)
+        _all_gather_single()(out, flat, group=self.group)
         return out.view(self.world_size, *partials.shape)
+
+
+def _all_gather_single() -> Any:
+    """torch's all-gather into one tensor, under the name this torch has without a warning.
+
+    torch 2.13 deprecates ``all_gather_into_tensor`` (a ``FutureWarning``) for
+    ``all_gather_single``; older versions have only the former.
+    """
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def ranks(group: Any) -> list[int]:

@@ -50,7 +50,9 @@ def overflow_report(scaler: GradScaler, module: torch.nn.Module | None = None) -
     """The :class:`OverflowReport` of ``scaler``'s current (or last) decision.
 
     See :meth:`GradScaler.nonfinite_gradients`. In a distributed job it covers this rank's
-    gradients (its shards under FSDP2).
+    gradients (its shards under FSDP2). In a scaler's first iteration the decision also read the
+    parameters the scaled losses reached that no known optimizer holds yet; without ``module``
+    to name them they are ``unregistered_params[k]``, in the order the losses reached them.
 
     Raises:
         RuntimeError: the scaler has not taken a decision yet.
@@ -62,15 +64,26 @@ def overflow_report(scaler: GradScaler, module: torch.nn.Module | None = None) -
         )
     names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
     entries: list[tuple[str, torch.Tensor, float]] = []
+    seen: set[int] = set()
     for index, optimizer in enumerate(scaler._optimizers):
         inv_scale = decision.inverse_scale_of(optimizer)
         for g, group in enumerate(optimizer.param_groups):
             for j, param in enumerate(group["params"]):
+                seen.add(id(param))
                 if param.grad is None:
                     continue
                 name = names.get(id(param), f"optimizer{index}.param_groups[{g}].params[{j}]")
                 local = _dtensor.local_values(param.grad)[0]
                 entries.append((name, _storage.in_memory_order(local), inv_scale))
+    unregistered = [p for p in dict.fromkeys(scaler._reached) if id(p) not in seen]
+    if unregistered:  # still as scaled: no optimizer has unscaled them
+        inv_scale = float(_bridge.inverse_scale(decision.state_before))
+        for k, param in enumerate(unregistered):
+            if param.grad is None:
+                continue
+            name = names.get(id(param), f"unregistered_params[{k}]")
+            local = _dtensor.local_values(param.grad)[0]
+            entries.append((name, _storage.in_memory_order(local), inv_scale))
     found: dict[str, int] = {}
     for inv_scale in sorted({inv for _, _, inv in entries}):
         chosen = [(name, t) for name, t, inv in entries if inv == inv_scale]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -67,8 +69,11 @@ class _Decision:
     scalars: _bridge.StepScalars | None = None
     # Optimizer steps the core counted on (the known optimizers at the decision).
     expected_steps: int = 0
-    # Optimizers (by id) whose gradients were unscaled in place (not handed to a fused kernel).
+    # Optimizers (by id) whose gradients the facade unscaled in place.
     unscaled: set[int] = dataclasses.field(default_factory=set)
+    # Optimizers (by id) whose still-scaled gradients went to a fused kernel, which unscales
+    # them in place when it applies the step and leaves them alone when it skips it.
+    to_kernel: set[int] = dataclasses.field(default_factory=set)
     scale_updated: bool = False
     _host_isfinite: bool | None = None
 
@@ -114,6 +119,8 @@ class _Decision:
         """What ``optimizer``'s gradients must still be multiplied by to read them unscaled."""
         if id(optimizer) in self.unscaled:
             return 1.0
+        if id(optimizer) in self.to_kernel and self.host_isfinite():
+            return 1.0
         return float(1.0 / np.float32(jax.device_get(self.state_before.loss_scale)))
 
 
@@ -149,6 +156,15 @@ def _truthy(value: Any) -> bool:
 def _with_clip_norm(config: amp_core.LossScaleConfig, norm: float) -> amp_core.LossScaleConfig:
     """``config`` with DLS + GCC at ``norm``; cached: ``optimizer_step`` asks every iteration."""
     return dataclasses.replace(config, max_gradient_norm=norm)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -257,6 +273,7 @@ class GradScaler:
         if optimizers is not None:
             for optimizer in _optimizer_list(optimizers, "optimizers"):
                 self._register(optimizer)
+            self._discovering = False  # the user said which optimizers take part
 
     def _start_session(self) -> None:
         """The per-process bookkeeping, empty (a new or an unpickled scaler)."""
@@ -458,8 +475,9 @@ class GradScaler:
         The first ``unscale_`` of an iteration takes the iteration's overflow decision, from
         the gradients as they are now: changes made to them afterwards (clipping, overwriting)
         do not change it, and ``get_isfinite()``/``get_global_norm()`` read after it are this
-        iteration's. With DLS + GCC the gradients are clipped here too (the reference clips
-        inside ``step``). A no-op if already unscaled this iteration.
+        iteration's. With DLS + GCC ``unscale_`` only unscales, and ``step`` clips with the
+        coefficient of this decision (as the reference does). A no-op if already unscaled this
+        iteration.
 
         Raises:
             TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -641,7 +659,7 @@ class GradScaler:
         if self._raise_on_stall:
             raise LossScaleStalledError(message, self.nonfinite_gradients())
         if not self._warned_stall:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=_caller_stacklevel())
             self._warned_stall = True
 
     # --------------------------------------------------------------- internals
@@ -679,7 +697,7 @@ class GradScaler:
             warnings.warn(
                 "GradScaler is unscaling gradients that are not float32 in their own dtype",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
             self._warned_dtype = True
         self._optimizers.append(optimizer)
@@ -765,9 +783,9 @@ class GradScaler:
     def _check_consistent(scalars: _bridge.StepScalars) -> None:
         if float(scalars.consistent) != 1.0:
             raise RuntimeError(
-                "the ranks' GradScalers disagree on the loss scale, so their decisions were "
-                "not taken together: every rank must load the same state_dict and call "
-                "scale/unscale_/step/update in the same order"
+                "the ranks' GradScalers disagree on the loss scale or its counters, so their "
+                "decisions were not taken together: every rank must load the same state_dict "
+                "and call scale/unscale_/step/update in the same order"
             )
 
     def _fused_step_possible(self, optimizer: torch.optim.Optimizer, decision: _Decision) -> bool:
@@ -803,6 +821,8 @@ class GradScaler:
         # Gradients still scaled are unscaled (and clipped) by the kernel; gradients already
         # unscaled by unscale_() only need the overflow flag.
         still_scaled = decision.pending.pop(id(optimizer), None) is not None
+        if still_scaled:
+            decision.to_kernel.add(id(optimizer))
         grad_scale = decision.scalars.grad_scale if still_scaled else None
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = decision.scalars.found_inf  # type: ignore[attr-defined]
