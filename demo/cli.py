@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="which implementation to run; 'all' runs every available one (default all)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help=(
+            "train the torch path data-parallel (DDP and FSDP2, gloo): as one rank of a "
+            "torchrun job, or starting 2 local ranks (see demo/distributed.py)"
+        ),
+    )
     return parser
 
 
@@ -88,9 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be a positive integer; got {args.steps}")
+    if args.distributed:
+        from demo.distributed import run
+
+        options = RunOptions(progress=not args.no_progress, diagnostics=False)
+        return run(args.steps, args.seed, args.out_dir, options)
     unavailable = load_paths()
     if args.path == "all":
-        names = list(PATHS)
+        names = [name for name in KNOWN_PATHS if name in PATHS]  # fixed, not import, order
         for name, reason in unavailable.items():
             print(f"note: the {name} path is not available yet ({reason}); skipping it", flush=True)
     elif args.path in unavailable:

@@ -15,6 +15,9 @@ With ``RunOptions.diagnostics`` every step also records why it overflowed (or di
 * ``f32_finite``: that float32 backward was finite (the overflow is float16's range alone);
 * ``params_unchanged``: the parameters and Adam's state after the step are bit-identical to
   before it.
+
+On the first skipped step the run also asks ``amp_core.nonfinite_report`` which gradients held
+inf or NaN (recomputing that step's gradients once; :attr:`RunRecord.first_overflow`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import amp_core
 from demo.problem import Problem, RunOptions
 from demo.records import RunRecord, diagnostic_extras
 from demo.registry import register_path
-from demo.report import format_scale
+from demo.report import format_scale, overflow_summary
 
 Params = list[dict[str, jax.Array]]
 
@@ -196,6 +199,47 @@ def make_fp16_step(tx: optax.GradientTransformation, diagnostics: bool = True) -
     return step
 
 
+@jax.jit
+def _overflow_report(
+    params: Params,
+    scaler: amp_core.LossScaleState,
+    x: jax.Array,
+    y: jax.Array,
+    batches: jax.Array,
+    i: jax.Array,
+) -> Any:
+    """``amp_core.nonfinite_report`` of step ``i``'s scaled float16 gradients (recomputed)."""
+    index = batches[i]
+    xb, yb = x[index], y[index]
+    grads = jax.grad(lambda p: amp_core.scale_loss(scaler, loss_fp16(p, xb, yb)))(params)
+    return amp_core.nonfinite_report(grads, amp_core.inverse_scale(scaler))
+
+
+def overflow_report(
+    params: Params,
+    scaler: amp_core.LossScaleState,
+    x: jax.Array,
+    y: jax.Array,
+    batches: jax.Array,
+    i: jax.Array,
+) -> str:
+    """Which gradients of step ``i`` (taken from ``params`` at loss scale ``scaler``) held inf
+    or NaN, named ``layers.<k>.<w|b>``, as ``"2 of 6 gradients non-finite: ..."``.
+
+    Recomputes the step's gradients: meant for a skipped step, not for every step.
+    """
+    report = jax.device_get(_overflow_report(params, scaler, x, y, batches, i))
+    leaves = jax.tree_util.tree_flatten_with_path(
+        report, is_leaf=lambda leaf: isinstance(leaf, amp_core.LeafReport)
+    )[0]
+    found = {}
+    for path, leaf in leaves:
+        if bool(leaf.overflows):
+            keys = (getattr(key, "idx", getattr(key, "key", key)) for key in path)
+            found["layers." + ".".join(map(str, keys))] = int(leaf.nonfinite_count)
+    return overflow_summary(found, len(leaves))
+
+
 def make_fp32_step(tx: optax.GradientTransformation) -> Any:
     """Builds the jitted float32 training step without loss scaling (the reference).
 
@@ -243,13 +287,17 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
     step = make_fp16_step(tx, options.diagnostics)
     x, y, batches = jnp.asarray(problem.x), jnp.asarray(problem.y), jnp.asarray(problem.batches)
     history: list[StepStats] = []
+    first_overflow = None
     bar = tqdm(
         range(problem.steps), desc="jax fp16 + DLS", disable=not options.progress, unit="step"
     )
     for i in bar:
+        before = params, amp_core.loss_scale_state(opt_state)
         params, opt_state, stats = step(params, opt_state, x, y, batches, jnp.int32(i))
         stats = jax.device_get(stats)
         history.append(stats)
+        if not stats.isfinite and first_overflow is None:
+            first_overflow = overflow_report(*before, x, y, batches, jnp.int32(i))
         if options.progress and (i % 10 == 0 or not stats.isfinite):
             bar.set_postfix(
                 loss=f"{float(stats.loss):.3g}",
@@ -271,6 +319,7 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
         num_skipped_steps=int(final_state.num_skipped_steps),
         wall_time_s=time.perf_counter() - start,
         extras=extras,
+        first_overflow=first_overflow,
     )
 
 

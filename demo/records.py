@@ -63,6 +63,9 @@ class RunRecord:
         wall_time_s: wall-clock seconds of the run (compilation included).
         extras: optional per-step diagnostics (arrays of shape ``(steps,)``) for tests and the
             report, e.g. ``"params_unchanged"``.
+        first_overflow: which gradients held inf or NaN on the first skipped step, in the words
+            of ``cstorch.amp.OverflowReport`` (``"2 of 6 gradients non-finite: ..."``), or
+            ``None`` when no step was skipped.
     """
 
     name: str
@@ -75,6 +78,7 @@ class RunRecord:
     num_skipped_steps: int | None = None
     wall_time_s: float = 0.0
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    first_overflow: str | None = None
 
     def __post_init__(self) -> None:
         self.losses = np.asarray(self.losses, dtype=np.float64)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -88,24 +88,61 @@ def comparison_lines(records: Sequence[RunRecord]) -> list[str]:
     return lines
 
 
-def provenance_lines(records: Sequence[RunRecord]) -> list[str]:
-    """Explains where each scaled run's overflows came from, if it recorded diagnostics.
+def overflow_summary(gradients: Mapping[str, int], total: int) -> str:
+    """Names the gradients that overflowed, in the words of ``cstorch.amp.OverflowReport``.
 
-    Uses the ``forward_finite``, ``f32_finite``, ``f32_peak`` and ``params_unchanged`` extras
-    (see :mod:`demo.jax_path`): a genuine float16 backward overflow has a finite forward loss
-    and a finite float32 backward (same step, same scale) whose peak magnitude exceeds the
+    For a path without torch (the JAX path builds it from ``amp_core.nonfinite_report``).
+
+    Args:
+        gradients: per gradient that overflowed, its number of inf or NaN elements (0 for
+            finite values whose squares overflow float32).
+        total: how many gradients were read.
+
+    Returns:
+        ``"2 of 6 gradients non-finite: layers.0.w (3 elements), ..."``.
+
+    Example:
+        >>> from demo.report import overflow_summary
+        >>> overflow_summary({"layers.2.b": 1}, 6)
+        '1 of 6 gradients non-finite: layers.2.b (1 element)'
+    """
+    head = f"{len(gradients)} of {total} gradients non-finite"
+    if not gradients:
+        return head
+
+    def elements(count: int) -> str:
+        if count == 0:
+            return "finite values too large to square in float32"
+        return f"{count} element{'s' if count != 1 else ''}"
+
+    return f"{head}: " + ", ".join(f"{name} ({elements(n)})" for name, n in gradients.items())
+
+
+def provenance_lines(records: Sequence[RunRecord]) -> list[str]:
+    """Explains where each scaled run's overflows came from.
+
+    Names the gradients that overflowed on the first skipped step (``first overflow: ...``, the
+    scaler's overflow report, :attr:`RunRecord.first_overflow`). If the run recorded diagnostics,
+    also uses the ``forward_finite``, ``f32_finite``, ``f32_peak`` and ``params_unchanged``
+    extras (see :mod:`demo.jax_path`): a genuine float16 backward overflow has a finite forward
+    loss and a finite float32 backward (same step, same scale) whose peak magnitude exceeds the
     float16 maximum.
     """
     lines = []
     for record in records:
         extras = record.extras
-        if not record.is_scaled or not {"forward_finite", "f32_finite", "f32_peak"} <= set(extras):
+        diagnosed = {"forward_finite", "f32_finite", "f32_peak"} <= set(extras)
+        if not record.is_scaled or not (diagnosed or record.first_overflow is not None):
+            continue
+        lines.append(f"Overflow check ({record.name}):")
+        if record.first_overflow is not None:
+            lines.append(f"  first overflow: {record.first_overflow}")
+        if not diagnosed:
             continue
         over = record.overflow
         peak = np.asarray(extras["f32_peak"])
         predicted = peak > FLOAT16_MAX
         genuine = over & extras["forward_finite"] & extras["f32_finite"] & predicted
-        lines.append(f"Overflow check ({record.name}):")
         lines.append(
             f"  {int(genuine.sum())} of {int(over.sum())} overflows are float16 overflows in "
             f"the backward pass: float16 forward loss finite, same step in float32 finite "

@@ -15,6 +15,9 @@ documented loop::
     grad_scaler.step(optimizer)
     grad_scaler.update()
 
+On the first skipped step it asks ``grad_scaler.nonfinite_gradients(model)`` which parameters'
+gradients overflowed (``RunRecord.first_overflow``); nothing of it runs on other steps.
+
 The path runs torch on one thread (and restores the setting): the model is tiny, and torch's
 OpenMP workers only wait on busy cores for it (a 2-core machine with other load ran 10x slower).
 
@@ -174,6 +177,7 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
             "f32_peak": [],
             "params_unchanged": [],
         }
+        first_overflow = None
         bar = tqdm(
             range(problem.steps),
             desc="torch fp16 + DLS",
@@ -195,6 +199,9 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
             grad_scaler.update()
 
             isfinite = bool(grad_scaler.get_isfinite())
+            if not isfinite and first_overflow is None:
+                # Which parameters overflowed: asked once, on the first skipped step only.
+                first_overflow = str(grad_scaler.nonfinite_gradients(model))
             columns["loss"].append(loss.item())
             columns["scale"].append(float(scale))
             columns["isfinite"].append(isfinite)
@@ -230,6 +237,7 @@ def run_fp16_dls(problem: Problem, options: RunOptions) -> RunRecord:
         num_skipped_steps=num_skipped,
         wall_time_s=time.perf_counter() - start,
         extras=extras,
+        first_overflow=first_overflow,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,22 @@ def test_final_loss_close_to_float32(jax_run: tuple[list[RunRecord], list[Path]]
     assert fp32.final_loss / 1.5 < fp16.final_loss < fp32.final_loss * 1.5
 
 
+def test_first_overflow_is_reported(jax_run: tuple[list[RunRecord], list[Path]]) -> None:
+    """The first skipped step names its gradients (``amp_core.nonfinite_report``); the float32
+    reference has none."""
+    fp16, fp32 = jax_run[0]
+    assert fp32.first_overflow is None
+    report = fp16.first_overflow
+    match = re.fullmatch(r"(\d) of 6 gradients non-finite: (.*)", report)
+    assert match, report
+    entries = dict(re.findall(r"(layers\.\d\.[wb]) \((\d+) elements?\)", match[2]))
+    assert len(entries) == int(match[1]) >= 1
+    sizes = {"layers.0.w": 16 * 128, "layers.1.w": 128 * 128, "layers.2.w": 128}
+    sizes |= {"layers.0.b": 128, "layers.1.b": 128, "layers.2.b": 1}
+    for name, count in entries.items():
+        assert 0 <= int(count) <= sizes[name]
+
+
 def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(["--path", "jax", "--steps", "12", "--out-dir", str(tmp_path), "--no-progress"]) == 0
@@ -96,5 +113,8 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "jax fp16 + DLS" in out and "jax float32" in out and "final loss" in out
     assert "plot saved to" in out
+    first = [line for line in out.splitlines() if "first overflow:" in line]
+    assert len(first) == 1 and first[0].startswith("  first overflow: ")
+    assert re.search(r"first overflow: \d of 6 gradients non-finite: layers\.", first[0])
     assert (tmp_path / "jax_demo.png").stat().st_size > 0
     assert "jax" in PATHS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from demo.cli import main, run_paths
 from demo.problem import FLOAT16_MAX, RunOptions, make_problem
 from demo.records import RunRecord
 from demo.registry import PATHS, load_paths
+from demo.report import overflow_summary
 
 STEPS = 120
 
@@ -114,6 +116,63 @@ def test_loss_scale_trajectory_equals_the_jax_path(
     assert torch_fp16.final_loss == pytest.approx(jax_fp16.final_loss, rel=1e-2)
 
 
+def entries(report: str) -> dict[str, int]:
+    """``{name: count}`` of a report string (``"... non-finite: a (3 elements), ..."``)."""
+    found = re.findall(r"([\w.]+) \((\d+) elements?\)", report.partition(": ")[2])
+    return {name: int(count) for name, count in found}
+
+
+def test_first_overflow_names_the_gradients_numpy_finds(torch_run: Run) -> None:
+    """Oracle: step 0's scaled float16 backward redone in plain torch (no scaler), its
+    gradients unscaled and counted by numpy."""
+    from demo.torch_path import DemoMLP, mse  # here: importing registers the path (order)
+
+    fp16 = torch_run[0][0]
+    step = int(np.argmax(fp16.overflow))
+    assert step == 0 and fp16.scales[step] == 2.0**24
+    problem = make_problem(steps=STEPS, seed=0)
+    model = DemoMLP(problem.init_params, compute_dtype=torch.float16)
+    x, y = (torch.from_numpy(a) for a in problem.batch(step))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the path runs
+    try:
+        (mse(model(x), y) * torch.tensor(2.0**24)).backward()
+    finally:
+        torch.set_num_threads(threads)
+    expected = {}
+    for name, param in model.named_parameters():
+        with np.errstate(over="ignore", invalid="ignore"):
+            unscaled = param.grad.numpy() * np.float32(2.0**-24)
+            total = np.sum(np.square(unscaled.astype(np.float64)))
+        if not (np.isfinite(total) and total <= np.finfo(np.float32).max):
+            expected[name] = int(np.sum(~np.isfinite(unscaled)))
+    assert expected, "step 0 must overflow"
+    assert fp16.first_overflow == overflow_summary(expected, 6)
+    assert torch_run[0][1].first_overflow is None
+
+
+def test_first_overflow_is_the_same_on_both_paths(
+    torch_run: Run, jax_records: list[RunRecord]
+) -> None:
+    renamed = {
+        name.replace("weight", "w").replace("bias", "b"): count
+        for name, count in entries(torch_run[0][0].first_overflow).items()
+    }
+    assert renamed == entries(jax_records[0].first_overflow)
+    assert (
+        torch_run[0][0].first_overflow.split(":")[0] == jax_records[0].first_overflow.split(":")[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "gradients",
+    [{}, {"a": 1}, {"blocks.11.mlp.fc2.weight": 12, "b": 0, "c": 3}],
+    ids=["none", "one", "several"],
+)
+def test_overflow_summary_words_as_the_facade_report(gradients: dict[str, int]) -> None:
+    assert overflow_summary(gradients, 148) == str(cstorch.amp.OverflowReport(gradients, 148))
+
+
 def test_global_state_is_restored() -> None:
     load_paths()
     threads = torch.get_num_threads()
@@ -133,6 +192,11 @@ def test_command_line_torch_path(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "torch fp16 + DLS" in out and "torch float32" in out and "final loss" in out
     assert "Overflow check (torch fp16 + DLS)" in out
+    first = [line for line in out.splitlines() if "first overflow:" in line]
+    assert len(first) == 1, first
+    assert re.fullmatch(
+        r"  first overflow: \d of 6 gradients non-finite: layers\.\d\.(weight|bias) .*", first[0]
+    )
     assert (tmp_path / "torch_demo.png").stat().st_size > 0
     assert not (tmp_path / "comparison.png").exists()
 
@@ -143,5 +207,7 @@ def test_command_line_all_paths(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "paths: jax, torch" in out and "not available" not in out
     for name in ("jax fp16 + DLS", "jax float32", "torch fp16 + DLS", "torch float32"):
         assert name in out
+    first = [line for line in out.splitlines() if line.startswith("  first overflow: ")]
+    assert len(first) == 2  # once per float16 run
     for png in ("jax_demo.png", "torch_demo.png", "comparison.png"):
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
