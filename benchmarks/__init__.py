@@ -1,19 +1,23 @@
 """Side-by-side speed measurements of the loss scalers (``make bench``).
 
-One process measures, with the variants interleaved round by round:
+One process measures, with the variants interleaved round by round (sections of ``--sections``):
 
-1. the torch facade (``cstorch.amp.GradScaler``) against ``torch.amp.GradScaler("cpu")`` and a
-   bare ``optimizer.step()``, for SGD(foreach) and AdamW(fused), without and with clipping
-   (:mod:`benchmarks.torch_bench`);
-2. a jitted optax AdamW step alone and loss-scaled through ``amp_core``
+1. ``whole``: whole iterations of the documented loop on a GPT-2-like model (forward, backward,
+   the scaler's calls, ``optimizer.step()``, ``optimizer.zero_grad()`` with torch's default and
+   with ``set_to_none=False``): the facade against ``torch.amp.GradScaler("cpu")`` and a loop
+   without a scaler, for SGD(foreach), SGD(fused) and AdamW(fused), without and with clipping
+   (:mod:`benchmarks.whole_bench`). The headline table;
+2. ``scaler``: the scalers alone, on the gradients of one backward pass copied back into
+   ``.grad`` before every step (:mod:`benchmarks.torch_bench`), with the machine's streaming rate
+   and what fraction of that floor each scaler reaches (:mod:`benchmarks.bandwidth`);
+3. ``ddp``: whole iterations under ``DistributedDataParallel``, 2 ranks on the CPU
+   (:mod:`benchmarks.ddp_bench`, two spawned processes);
+4. ``jax``: a jitted optax AdamW step alone and loss-scaled through ``amp_core``
    (:mod:`benchmarks.jax_bench`);
-3. the machine's streaming rate and what fraction of that floor each scaler reaches
-   (:mod:`benchmarks.bandwidth`);
-4. the compile time of the first step and the compilations after warm-up.
 
-Gradients come from one real backward pass per size (:mod:`benchmarks.sizes`) and are copied
-back into ``.grad`` outside the timed region before every step. Results: a markdown report on the
-terminal and in ``bench_output/bench.md``, every raw number in ``bench_output/bench.json``.
+and the compile time of the first step and the compilations after warm-up. Sizes:
+:mod:`benchmarks.sizes`. Results: a markdown report on the terminal and in
+``bench_output/bench.md``, every raw number in ``bench_output/bench.json``.
 """
 
 from benchmarks.cli import main

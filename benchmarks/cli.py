@@ -1,4 +1,12 @@
-"""Command line of ``python -m benchmarks`` (``make bench``, ``make bench-large``)."""
+"""Command line of ``python -m benchmarks`` (``make bench``, ``make bench-large``).
+
+Examples::
+
+    python -m benchmarks                            # every section at S, M and tiny
+    python -m benchmarks --sections whole --sizes M # only whole iterations, at M
+    python -m benchmarks --sections scaler,jax      # the scaler-only and JAX-native tables
+    python -m benchmarks --no-ddp                   # everything but the 2-rank DDP row
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.runner import DEFAULT_ROUNDS, BenchOptions, run
+from benchmarks.ddp_bench import ITERS as DDP_ITERS
+from benchmarks.runner import DEFAULT_ROUNDS, SECTIONS, BenchOptions, run
 from benchmarks.sizes import DEFAULT_SIZES, SIZES
 from benchmarks.torch_bench import WARMUP_STEPS
 
@@ -19,6 +28,22 @@ def _sizes(text: str) -> tuple[str, ...]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown sizes {unknown or text!r}; choose from {', '.join(SIZES)}"
+        )
+    return names
+
+
+def _size(text: str) -> str:
+    if text not in SIZES:
+        raise argparse.ArgumentTypeError(f"unknown size {text!r}; choose from {', '.join(SIZES)}")
+    return text
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown sections {unknown or text!r}; choose from {', '.join(SECTIONS)}"
         )
     return names
 
@@ -35,17 +60,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description=(
-            "Measure the loss scalers side by side in one process: the torch facade against "
-            "torch.amp.GradScaler, the JAX-native optax path, the bandwidth floor and the "
-            "compile counts. Prints a markdown table and writes it with a JSON file of every "
-            "raw number."
+            "Measure the loss scalers side by side, variants interleaved in one process. "
+            "Sections: 'whole' = whole iterations of the documented loop (forward, backward, "
+            "scaler, optimizer.step(), zero_grad() with torch's default) with the facade "
+            "against torch.amp.GradScaler and a bare loop; 'scaler' = the scaler alone on "
+            "gradients refilled in place, with the bandwidth floor; 'ddp' = whole iterations "
+            "under DistributedDataParallel, 2 ranks on the CPU (small, noisy); 'jax' = the "
+            "JAX-native optax step. Prints a markdown report and writes it with a JSON file of "
+            "every raw number."
         ),
+    )
+    parser.add_argument(
+        "--sections",
+        type=_sections,
+        default=SECTIONS,
+        help=f"comma-separated sections among {', '.join(SECTIONS)}, always reported in that order "
+        f"(default: all)",
+    )
+    parser.add_argument(
+        "--no-ddp",
+        action="store_true",
+        help="leave the DDP section out (two spawned ranks: about half a minute)",
+    )
+    parser.add_argument(
+        "--ddp-size",
+        type=_size,
+        default="S",
+        help="model size of the DDP section (default S)",
     )
     parser.add_argument(
         "--sizes",
         type=_sizes,
         default=DEFAULT_SIZES,
-        help=f"comma-separated sizes among {', '.join(SIZES)} (default {','.join(DEFAULT_SIZES)})",
+        help=f"comma-separated sizes among {', '.join(SIZES)} for every section but ddp "
+        f"(default {','.join(DEFAULT_SIZES)})",
     )
     parser.add_argument("--large", action="store_true", help="also run the L size (~120M params)")
     parser.add_argument(
@@ -58,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--iters",
         type=_positive,
         default=None,
-        help="timed steps per variant and round (default: per size, 20 for S and tiny, 5 for M, 3 for L)",
+        help="timed steps per variant and round (default: per size, 20 for S and tiny, 5 for M, "
+        f"3 for L, fewer when steps are slow; DDP {DDP_ITERS})",
     )
     parser.add_argument(
         "--warmup",
@@ -72,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("bench_output"),
         help="folder for bench.md and bench.json (default bench_output)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the gradients (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of models, tokens and gradients (default 0)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
@@ -90,8 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = tuple(args.sizes)
     if args.large and "L" not in sizes:
         sizes += ("L",)
+    sections = tuple(s for s in args.sections if not (args.no_ddp and s == "ddp"))
+    if not sections:
+        raise SystemExit("python -m benchmarks: no section left to run")
     options = BenchOptions(
         sizes=sizes,
+        sections=sections,
+        ddp_size=args.ddp_size,
         rounds=args.rounds,
         iters=args.iters,
         warmup=max(0, args.warmup),

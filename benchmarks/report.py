@@ -28,8 +28,17 @@ def _num(value: float | None) -> str:
 
 
 def _cell(stats: dict[str, float], suffix: str = "") -> str:
-    """``median [min, max]``."""
-    return f"{_num(stats['median'])}{suffix} [{_num(stats['min'])}, {_num(stats['max'])}]"
+    """``median [min, max]``, the median followed by ``suffix`` unless it is undefined.
+
+    Example:
+        >>> from benchmarks.report import _cell
+        >>> _cell({"median": 1.5, "min": 1.0, "max": 2.0}, "x"), _cell({"median": None, "min": None, "max": None}, "x")
+        ('1.50x [1.00, 2.00]', 'n/a [n/a, n/a]')
+    """
+    median = _num(stats["median"])
+    if median != "n/a":
+        median += suffix
+    return f"{median} [{_num(stats['min'])}, {_num(stats['max'])}]"
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
@@ -43,9 +52,13 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _iters(results: dict[str, Any], size: str) -> str:
-    counts = sorted({c["iters"] for c in results["cases"] if c["size"] == size})
-    return "/".join(map(str, counts)) or "0"
+def _iters(results: dict[str, Any], section: str) -> str:
+    """Timed calls per round of ``section``'s cases, by size: ``"S 20, M 2/5"``."""
+    by_size: dict[str, set[int]] = {}
+    for case in results["cases"]:
+        if case["section"] == section:
+            by_size.setdefault(case["size"], set()).add(case["iters"])
+    return ", ".join(f"{size} {'/'.join(map(str, sorted(n)))}" for size, n in by_size.items())
 
 
 BUSY_CORES = 0.25
@@ -84,35 +97,143 @@ def _load_note(meta: dict[str, Any], sizes: dict[str, Any]) -> list[str]:
     return [text, ""]
 
 
-def markdown(results: dict[str, Any]) -> str:
-    """The report: run facts and one table per section; cells are ``median [min, max]``."""
+def _size_text(name: str, size: dict[str, Any]) -> str:
+    text = f"{name} = {size['tensors']} tensors, {size['params']:,} params"
+    whole = size.get("whole")
+    if whole and (whole["tensors"], whole["params"]) != (size["tensors"], size["params"]):
+        text += f" (whole-iteration model: {whole['tensors']} tensors, {whole['params']:,} params)"
+    return text
+
+
+def _header(results: dict[str, Any]) -> list[str]:
     meta = results["meta"]
     sizes = results["sizes"]
-    out = [
+    return [
         "# Benchmarks",
         "",
         f"`{meta['command']}` on {meta['date']}: {meta['cpu_count']} CPUs, torch "
         f"{meta['torch']} ({meta['torch_threads']} threads), jax {meta['jax']}, optax "
         f"{meta['optax']}; {meta['rounds']} rounds, variants interleaved round by round in one "
-        f"process; every cell is median [min, max] over rounds, a round being the median of "
-        f"its steps; wall time {meta.get('wall_seconds', math.nan):.0f} s.",
+        f"process; a round's value is the median of its timed calls, and cells are medians over "
+        f"rounds ([min, max] where shown); wall time {meta.get('wall_seconds', math.nan):.0f} s.",
         "",
         _thread_note(meta),
         "",
-        "Sizes: "
-        + "; ".join(
-            f"{name} = {s['tensors']} tensors, {s['params']:,} params" for name, s in sizes.items()
-        )
-        + ". Steps per round: "
-        + ", ".join(f"{name} {_iters(results, name)}" for name in sizes)
-        + ".",
+        "Sizes: " + "; ".join(_size_text(name, s) for name, s in sizes.items()) + ".",
         "",
         *_load_note(meta, sizes),
-        '## 1. torch: the facade against `torch.amp.GradScaler("cpu")` (ms per step)',
+    ]
+
+
+def _comparison_table(rows: list[dict[str, Any]], with_set_to_none: bool) -> list[str]:
+    """Whole-iteration rows: both ratios first, then the medians in ms."""
+    header = ["size", "optimizer", "clip"] + (["set_to_none"] if with_set_to_none else [])
+    header += [
+        "facade/torch iteration",
+        "facade/torch overhead",
+        "bare",
+        "torch",
+        "facade",
+        "torch overhead",
+        "facade overhead",
+    ]
+    body = []
+    for r in rows:
+        line = [r["size"], r["optimizer"], _yes(r["clip"])]
+        line += [str(r["set_to_none"])] if with_set_to_none else []
+        line += [_cell(r["step_ratio"], "x"), _cell(r["overhead_ratio"], "x")]
+        line += [
+            _num(r[key]["median"])
+            for key in (
+                "bare_ms",
+                "torch_ms",
+                "facade_ms",
+                "torch_overhead_ms",
+                "facade_overhead_ms",
+            )
+        ]
+        body.append(line)
+    n_left = len(header) - 7
+    return _table(header, body, ["l"] * n_left + ["r"] * 7)
+
+
+def _overflow_note(rows: list[dict[str, Any]]) -> str:
+    """Says that no timed step overflowed, or which variants skipped steps."""
+    bad = [
+        f"{r['size']} {r['optimizer']}{' clip' if r['clip'] else ''}"
+        f"{'' if r.get('set_to_none', True) else ' set_to_none=False'}: "
+        f"torch {r['torch_skipped_steps']}, facade {r['facade_skipped_steps']}"
+        for r in rows
+        if r["torch_skipped_steps"] or r["facade_skipped_steps"]
+    ]
+    if not bad:
+        return (
+            "No step overflowed: the facade's `get_num_skipped_steps()` is 0 and torch's scale "
+            "is unchanged in every variant."
+        )
+    return (
+        "**Steps were skipped for an overflow** (those rows time skipped steps): "
+        + "; ".join(bad)
+        + "."
+    )
+
+
+def _subnormal_note(sizes: dict[str, Any]) -> str:
+    """Subnormal counts of the probe iterations; torch's kernels slow down on subnormals."""
+    counts = {name: s["whole"]["subnormals"] for name, s in sizes.items() if s.get("whole")}
+    text = "Subnormal float32 values after two probe iterations (gradients / fused AdamW state): "
+    text += ", ".join(f"{n} {c['gradients']} / {c['adamw_state']}" for n, c in counts.items())
+    if any(c["gradients"] or c["adamw_state"] for c in counts.values()):
+        text += " **(not 0: torch's kernels slow down on subnormals, XLA's flush them)**"
+    return text + "."
+
+
+def _whole_section(results: dict[str, Any], number: int) -> list[str]:
+    rows = results["whole"]
+    meta = results["meta"]
+    tokens = ", ".join(
+        f"{name} {s['whole']['batch']} x {s['whole']['tokens']}"
+        for name, s in results["sizes"].items()
+        if s.get("whole")
+    )
+    out = [
+        f"## {number}. Whole iteration of the documented loop: the facade against "
+        '`torch.amp.GradScaler("cpu")` (ms per iteration)',
         "",
-        "Step: `optimizer.step()` (bare), `scaler.step(opt); scaler.update()` for both "
-        "scalers; with clipping torch adds `unscale_` + `clip_grad_norm_`, the facade uses "
-        "DLS + GCC (`max_gradient_norm`). Overhead: step minus the bare step of the same round.",
+        "Loop: `optimizer.zero_grad(set_to_none=...)`; forward of the size's GPT-2-like model and "
+        f"a next-token loss on fixed random tokens (batch x tokens: {tokens}); "
+        "`scaler.scale(loss).backward()`; `scaler.step(optimizer)`; `scaler.update()`. With "
+        "clipping, torch adds `scaler.unscale_(optimizer)` + `clip_grad_norm_(params, "
+        f"{meta.get('whole_clip_norm')})` before `step`; the facade is "
+        f'`GradScaler(loss_scale="dynamic", max_gradient_norm={meta.get("whole_clip_norm")})` '
+        "(DLS + GCC). Bare: no scaler (`loss.backward(); optimizer.step()`). "
+        "`set_to_none=True` is torch's default: backward makes fresh gradient tensors every "
+        "iteration. Loss scale 1 + 2^-23 (no value moves, no overflow), learning rate "
+        f"{meta.get('learning_rate')}. Overhead: iteration minus the bare iteration of the same "
+        "round. Ratios: median [min, max] over rounds of the per-round ratio; other cells: "
+        f"medians in ms. Iterations per round: {_iters(results, 'whole')}.",
+        "",
+        _overflow_note(rows),
+        "",
+        _subnormal_note(results["sizes"]),
+        "",
+    ]
+    return out + _comparison_table(rows, with_set_to_none=True) + [""]
+
+
+def _scaler_section(results: dict[str, Any], number: int) -> list[str]:
+    out = [
+        f"## {number}. Scaler only, gradients refilled in place: the facade against "
+        '`torch.amp.GradScaler("cpu")` (ms per step)',
+        "",
+        "Not the loop users run: the gradients of one backward pass are copied back into the "
+        "existing `.grad` tensors (`torch._foreach_copy_`, untimed) before every step, as "
+        "`zero_grad(set_to_none=False)` would keep them. Step: `optimizer.step()` (bare), "
+        "`scaler.scale(loss); scaler.step(opt); scaler.update()` for both scalers (`loss` a "
+        "constant: the gradients come from the refill); with clipping torch adds "
+        "`unscale_` + `clip_grad_norm_`, the facade uses DLS + GCC (`max_gradient_norm`), "
+        "with a threshold the gradients never reach. Overhead: step minus the bare step of the "
+        f"same round. Steps per round: {_iters(results, 'torch')}.",
         "",
     ]
     out += _table(
@@ -145,13 +266,43 @@ def markdown(results: dict[str, Any]) -> str:
         ],
         ["l", "l", "l"] + ["r"] * 7,
     )
-    out += [
+    return [*out, ""]
+
+
+def _ddp_section(results: dict[str, Any], number: int) -> list[str]:
+    ddp = results["ddp"]
+    out = [
+        f"## {number}. Whole iteration under DistributedDataParallel, 2 ranks on the CPU "
+        "(small and noisy on 2 cores)",
         "",
-        "## 2. JAX-native: jitted optax AdamW step, alone and loss-scaled through `amp_core` (ms)",
+    ]
+    if ddp.get("error"):
+        last = ddp["error"].strip().splitlines()[-1]
+        return [*out, f"**The DDP section failed**: `{last}` (full text in the JSON file).", ""]
+    out += [
+        f"Two processes (gloo on loopback, one torch thread each), each training its own "
+        f"`DistributedDataParallel` copy of the {ddp['size']} model ({ddp['tensors']} tensors, "
+        f"{ddp['params']:,} params) per variant, on its own tokens; {ddp['optimizer']}, "
+        f"`zero_grad()` with torch's default; the whole-iteration loop, interleaved with the same "
+        f"{ddp['iters']} iterations per round on both ranks; rank 0's times. The ranks, their "
+        f"XLA threads and gloo share the machine's cores: a yardstick, not a headline. Section "
+        f"wall time {_num(ddp['seconds'])} s.",
+        "",
+        _overflow_note(ddp["rows"]),
+        "",
+    ]
+    return out + _comparison_table(ddp["rows"], with_set_to_none=False) + [""]
+
+
+def _jax_section(results: dict[str, Any], number: int) -> list[str]:
+    out = [
+        f"## {number}. JAX-native: jitted optax AdamW step, alone and loss-scaled through "
+        "`amp_core` (ms)",
         "",
         "Each is `jax.jit(update, donate_argnums=(0, 1))` over (params, opt_state, grads). "
         "DLS and DLS+GCC: `with_loss_scaling` then `optax.apply_updates`; fused: "
-        "`apply_scaled_gradients` (DLS, the update applied inside the skip branch).",
+        "`apply_scaled_gradients` (DLS, the update applied inside the skip branch). "
+        f"Steps per round: {_iters(results, 'jax')}.",
         "",
     ]
     out += _table(
@@ -180,9 +331,12 @@ def markdown(results: dict[str, Any]) -> str:
         ],
         ["l"] + ["r"] * 7,
     )
-    out += [
-        "",
-        "## 3. Bandwidth floor",
+    return [*out, ""]
+
+
+def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
+    out = [
+        f"## {number}. Bandwidth floor",
         "",
         "Streaming rates on a float32 buffer of the size's parameter count: torch "
         "`buf.mul_(1.0)` (read+write, 8 B/element) and a jitted JAX `sum` over the same memory "
@@ -199,7 +353,8 @@ def markdown(results: dict[str, Any]) -> str:
     )
     out += [
         "",
-        "Floor = minimal bytes per parameter / in-place rate (median). Minimal-traffic model: "
+        "Floor = minimal bytes per parameter / in-place rate (median), against the scaler-only "
+        "overheads. Minimal-traffic model: "
         "8 B/param for unscale+check (one read+write pass), 12 B/param with clipping (a read "
         "for the norm, then one read+write), 4 B/param when the scale is handed to a fused "
         "optimizer (one read-only pass). Fraction = floor / median overhead over the bare "
@@ -234,22 +389,27 @@ def markdown(results: dict[str, Any]) -> str:
         ],
         ["l", "l", "l"] + ["r"] * 6,
     )
-    out += [
-        "",
-        "## 4. Compilation",
+    return [*out, ""]
+
+
+def _compile_section(results: dict[str, Any], number: int) -> list[str]:
+    out = [
+        f"## {number}. Compilation",
         "",
         "First step: wall time of the first call (for the facade: after constructing the "
-        "scaler; includes building its arena). Compiles: XLA backend compilations during "
+        "scaler; includes its first look at the gradients). Compiles: XLA backend compilations during "
         "construction and the first call (a configuration already compiled in this process "
         "compiles nothing), and during all timed rounds after warm-up (must be 0). "
-        f"Total compilations after warm-up, all cases: {meta.get('compiles_after_warmup_total')}.",
+        "Total compilations after warm-up, all cases: "
+        f"{results['meta'].get('compiles_after_warmup_total')}.",
         "",
     ]
     out += _table(
-        ["size", "case", "first step s", "compiles (s)", "compiles after warm-up"],
+        ["size", "section", "case", "first step s", "compiles (s)", "compiles after warm-up"],
         [
             [
                 r["size"],
+                r["section"],
                 r["case"],
                 _num(r["first_step_s"]),
                 f"{r['first_step_compiles']} ({_num(r['first_step_compile_s'])})",
@@ -257,9 +417,28 @@ def markdown(results: dict[str, Any]) -> str:
             ]
             for r in results["compile"]
         ],
-        ["l", "l", "r", "r", "r"],
+        ["l", "l", "l", "r", "r", "r"],
     )
-    return "\n".join(out) + "\n"
+    return [*out, ""]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The report: run facts, then one numbered section per part that ran, in this order."""
+    sections = [
+        (bool(results["whole"]), _whole_section),
+        (bool(results["torch"]), _scaler_section),
+        (results["ddp"] is not None, _ddp_section),
+        (bool(results["jax"]), _jax_section),
+        (bool(results["bandwidth"]), _bandwidth_section),
+        (bool(results["compile"]), _compile_section),
+    ]
+    out = _header(results)
+    number = 0
+    for present, render in sections:
+        if present:
+            number += 1
+            out += render(results, number)
+    return "\n".join(out).rstrip("\n") + "\n"
 
 
 def _finite(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Runs every section for the requested sizes and collects the raw numbers and derived rows."""
+"""Runs the selected sections for the requested sizes and collects raw numbers and derived rows."""
 
 from __future__ import annotations
 
@@ -18,8 +18,16 @@ import optax
 import torch
 from tqdm import tqdm
 
-from benchmarks import bandwidth, jax_bench, torch_bench
-from benchmarks.sizes import SIZES, make_gradients
+from benchmarks import bandwidth, ddp_bench, jax_bench, torch_bench, whole_bench
+from benchmarks.sizes import (
+    SIZES,
+    GradientSet,
+    SizeSpec,
+    make_gradients,
+    next_token_loss,
+    parameter_count,
+    shape_list,
+)
 from benchmarks.timing import (
     CompileCounter,
     CpuShare,
@@ -35,6 +43,11 @@ from benchmarks.timing import (
 MS = 1e3
 DEFAULT_ROUNDS = 5
 
+SECTIONS = ("whole", "scaler", "ddp", "jax")
+"""The sections, in report order: whole iterations of the documented loop; the scaler alone on
+gradients refilled in place (with the bandwidth floor); whole iterations under DDP (2 ranks);
+the JAX-native optax step."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchOptions:
@@ -46,8 +59,10 @@ class BenchOptions:
         iters: timed steps per variant and round, exactly; ``None``: each size's own count, fewer
             when steps are slow (see :func:`benchmarks.timing.choose_iters`).
         warmup: untimed steps per variant after its first step.
-        seed: seed of the gradients.
+        seed: seed of the models, tokens and gradients.
         progress: show a progress bar.
+        sections: which of :data:`SECTIONS` to run (the sizes apply to all but ``ddp``).
+        ddp_size: the model size of the DDP section.
     """
 
     sizes: tuple[str, ...]
@@ -56,6 +71,8 @@ class BenchOptions:
     warmup: int = torch_bench.WARMUP_STEPS
     seed: int = 0
     progress: bool = True
+    sections: tuple[str, ...] = SECTIONS
+    ddp_size: str = "S"
 
 
 # Minimal traffic per parameter for the scaler's own work, by (optimizer, clip).
@@ -101,26 +118,48 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     return Stats.of(values).as_dict()
 
 
+def _scaler_pair(timings: dict[str, Timing], clip: bool) -> dict[str, Any]:
+    """The facade against torch's scaler (with or without clipping), each against the bare
+    variant of the same round: times in ms, their ratio, the overheads and their ratio."""
+    suffix = "+clip" if clip else ""
+    torch_r = timings["torch" + suffix].rounds
+    facade_r = timings["facade" + suffix].rounds
+    bare_r = timings["bare"].rounds
+    torch_over = per_round(difference, torch_r, bare_r)
+    facade_over = per_round(difference, facade_r, bare_r)
+    return {
+        "clip": clip,
+        "bare_ms": _stats(_ms(bare_r)),
+        "torch_ms": _stats(_ms(torch_r)),
+        "facade_ms": _stats(_ms(facade_r)),
+        "step_ratio": _stats(per_round(ratio, facade_r, torch_r)),
+        "torch_overhead_ms": _stats(_ms(torch_over)),
+        "facade_overhead_ms": _stats(_ms(facade_over)),
+        "overhead_ratio": _stats(per_round(ratio, facade_over, torch_over)),
+    }
+
+
 def _torch_rows(size: str, group: torch_bench.TorchGroup) -> list[dict[str, Any]]:
-    t = {name: timing.rounds for name, timing in group.timings.items()}
+    return [
+        {"size": size, "optimizer": group.optimizer, **_scaler_pair(group.timings, clip)}
+        for clip in (False, True)
+    ]
+
+
+def _whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]]:
+    """Rows of a whole-iteration group; ``step_ratio`` is the ratio of whole iterations."""
     rows = []
     for clip in (False, True):
+        pair = _scaler_pair(group.timings, clip)
         suffix = "+clip" if clip else ""
-        torch_r, facade_r, bare_r = t["torch" + suffix], t["facade" + suffix], t["bare"]
-        torch_over = per_round(difference, torch_r, bare_r)
-        facade_over = per_round(difference, facade_r, bare_r)
         rows.append(
             {
                 "size": size,
                 "optimizer": group.optimizer,
-                "clip": clip,
-                "bare_ms": _stats(_ms(bare_r)),
-                "torch_ms": _stats(_ms(torch_r)),
-                "facade_ms": _stats(_ms(facade_r)),
-                "step_ratio": _stats(per_round(ratio, facade_r, torch_r)),
-                "torch_overhead_ms": _stats(_ms(torch_over)),
-                "facade_overhead_ms": _stats(_ms(facade_over)),
-                "overhead_ratio": _stats(per_round(ratio, facade_over, torch_over)),
+                "set_to_none": group.set_to_none,
+                **pair,
+                "torch_skipped_steps": group.skipped_steps["torch" + suffix],
+                "facade_skipped_steps": group.skipped_steps["facade" + suffix],
             }
         )
     return rows
@@ -174,6 +213,11 @@ def _floor_rows(bw_row: dict[str, Any], torch_rows: list[dict[str, Any]]) -> lis
     return rows
 
 
+def _facades(first: dict[str, FirstStep]) -> dict[str, FirstStep]:
+    """The facade variants' first steps (their compilations are the ones to watch)."""
+    return {name: step for name, step in first.items() if name.startswith("facade")}
+
+
 def _compile_rows(
     size: str, section: str, group: str, first: dict[str, FirstStep], timings: dict[str, Timing]
 ) -> list[dict[str, Any]]:
@@ -219,123 +263,264 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "load_average_start": _load(),
         "rounds": options.rounds,
         "warmup_steps": options.warmup,
+        "sections": list(options.sections),
         "loss_scale": torch_bench.LOSS_SCALE,
         "learning_rate": torch_bench.LEARNING_RATE,
         "clip_norm": torch_bench.BIG_NORM,
+        "whole_clip_norm": whole_bench.CLIP_NORM,
+        "whole_batch": whole_bench.BATCH,
         "time_unit": "seconds in cases; milliseconds in *_ms rows",
     }
 
 
+def _validate(options: BenchOptions) -> None:
+    unknown = [s for s in options.sizes if s not in SIZES]
+    if unknown or not options.sizes:
+        raise ValueError(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    sections = [s for s in options.sections if s not in SECTIONS]
+    if sections or not options.sections:
+        raise ValueError(f"unknown sections {sections}; choose from {list(SECTIONS)}")
+    if options.ddp_size not in SIZES:
+        raise ValueError(f"unknown DDP size {options.ddp_size!r}; choose from {sorted(SIZES)}")
+    if options.rounds < 1 or (options.iters is not None and options.iters < 1):
+        raise ValueError("rounds and iters must be positive")
+
+
+def _ticks(options: BenchOptions) -> int:
+    """Progress-bar steps: one per timed round and one per group, gradients and DDP."""
+    group = options.rounds + 1
+    per_size = 0
+    if "whole" in options.sections:
+        per_size += len(torch_bench.OPTIMIZERS) * len(whole_bench.SET_TO_NONE) * group
+    if "scaler" in options.sections:
+        per_size += (1 + len(torch_bench.OPTIMIZERS)) * group  # bandwidth, optimizers
+    if "jax" in options.sections:
+        per_size += group
+    if "scaler" in options.sections or "jax" in options.sections:
+        per_size += 1  # gradients
+    return len(options.sizes) * per_size + ("ddp" in options.sections)
+
+
+class _Run:
+    """One run in progress: the options, the compile counter, the progress bar and the results."""
+
+    def __init__(
+        self, options: BenchOptions, meta: dict[str, Any], counter: CompileCounter, bar: tqdm
+    ) -> None:
+        self.options = options
+        self.counter = counter
+        self.bar = bar
+        self.results: dict[str, Any] = {
+            "meta": meta,
+            "sizes": {},
+            "cases": [],
+            "whole": [],
+            "torch": [],
+            "ddp": None,
+            "jax": [],
+            "bandwidth": [],
+            "floor": [],
+            "compile": [],
+        }
+
+    def tick(self) -> None:
+        """Advances the progress bar by one step."""
+        self.bar.update(1)
+
+    def plan(self, spec: SizeSpec) -> Plan:
+        """Rounds, steps per round and warm-up for ``spec``."""
+        return Plan(
+            rounds=self.options.rounds,
+            max_iters=self.options.iters or spec.iters,
+            fixed_iters=self.options.iters is not None,
+            warmup=self.options.warmup,
+        )
+
+    def add_cases(
+        self,
+        section: str,
+        size: str,
+        group: str,
+        timings: dict[str, Timing],
+        first: dict[str, FirstStep] | None,
+    ) -> None:
+        """Records every variant of a group in ``cases``."""
+        for name, timing in timings.items():
+            step = None if first is None else first[name]
+            self.results["cases"].append(_case(section, size, group, name, timing, step))
+
+    def size(self, size: str) -> None:
+        """Runs the selected per-size sections for ``size``."""
+        spec = SIZES[size]
+        share = CpuShare()
+        info: dict[str, Any] = {
+            "tensors": len(shape_list(spec)),
+            "params": parameter_count(spec),
+            "max_iters": self.plan(spec).max_iters,
+            "whole": None,
+            "gradients": None,
+        }
+        self.results["sizes"][size] = info
+        sections = self.options.sections
+        if "whole" in sections:
+            info["whole"] = self.whole(size, spec)
+        if "scaler" in sections or "jax" in sections:
+            self.bar.set_description(f"{size}: gradients")
+            grad_start = time.perf_counter()
+            grads = make_gradients(spec, self.options.seed)
+            info["gradients"] = {
+                "loss": grads.loss,
+                "flushed_small_grads": grads.flushed,
+                "seconds": time.perf_counter() - grad_start,
+            }
+            self.tick()
+            if "scaler" in sections:
+                self.scaler_only(size, spec, grads)
+            if "jax" in sections:
+                self.jax(size, spec, grads)
+            del grads
+            gc.collect()
+        info["other_cpu_cores"] = share.other_cores()
+
+    def whole(self, size: str, spec: SizeSpec) -> dict[str, Any]:
+        """Whole iterations of the documented loop, every optimizer and ``zero_grad`` setting."""
+        workload = whole_bench.make_workload(spec, self.options.seed)
+        with torch.no_grad():
+            loss = float(next_token_loss(workload.model, workload.tokens))
+        subnormals = whole_bench.count_subnormals(workload)
+        for optimizer in torch_bench.OPTIMIZERS:
+            for set_to_none in whole_bench.SET_TO_NONE:
+                self.bar.set_description(f"{size}: whole {optimizer}, set_to_none={set_to_none}")
+                group = whole_bench.run_group(
+                    workload, optimizer, set_to_none, self.plan(spec), self.counter, self.tick
+                )
+                self.tick()
+                self.add_cases("whole", size, group.label, group.timings, group.first)
+                self.results["whole"] += _whole_rows(size, group)
+                self.results["compile"] += _compile_rows(
+                    size, "whole", group.label, _facades(group.first), group.timings
+                )
+                del group
+                gc.collect()
+        return {
+            "tensors": workload.tensors,
+            "params": workload.params,
+            "batch": workload.tokens.shape[0],
+            "tokens": workload.tokens.shape[1] - 1,
+            "initial_loss": loss,
+            "subnormals": subnormals,
+        }
+
+    def scaler_only(self, size: str, spec: SizeSpec, grads: GradientSet) -> None:
+        """The scaler alone on gradients refilled in place, and the bandwidth floor."""
+        plan = self.plan(spec)
+        self.bar.set_description(f"{size}: bandwidth")
+        bw = bandwidth.run_group(grads.numel, plan, self.counter, self.tick)
+        self.tick()
+        self.add_cases("bandwidth", size, "stream", bw.timings, None)
+        bw_row = _bandwidth_row(size, bw)
+        self.results["bandwidth"].append(bw_row)
+        del bw
+        rows = []
+        for optimizer in torch_bench.OPTIMIZERS:
+            self.bar.set_description(f"{size}: scaler only, {optimizer}")
+            group = torch_bench.run_group(grads, optimizer, plan, self.counter, self.tick)
+            self.tick()
+            self.add_cases("torch", size, optimizer, group.timings, group.first)
+            rows += _torch_rows(size, group)
+            self.results["compile"] += _compile_rows(
+                size, "torch", optimizer, _facades(group.first), group.timings
+            )
+            del group
+            gc.collect()
+        self.results["torch"] += rows
+        self.results["floor"] += _floor_rows(bw_row, rows)
+
+    def jax(self, size: str, spec: SizeSpec, grads: GradientSet) -> None:
+        """The jitted optax step, alone and loss-scaled."""
+        self.bar.set_description(f"{size}: jax optax")
+        group = jax_bench.run_group(grads, self.plan(spec), self.counter, self.tick)
+        self.tick()
+        self.add_cases("jax", size, "optax", group.timings, group.first)
+        self.results["jax"].append(_jax_row(size, group))
+        self.results["compile"] += _compile_rows(size, "jax", "", group.first, group.timings)
+
+    def ddp(self) -> None:
+        """Whole iterations under DDP, 2 ranks; a failure is recorded, not raised."""
+        self.bar.set_description(f"DDP: {ddp_bench.WORLD_SIZE} ranks, {self.options.ddp_size}")
+        settings = ddp_bench.DdpSettings(
+            size=self.options.ddp_size,
+            rounds=self.options.rounds,
+            iters=self.options.iters or ddp_bench.ITERS,
+            warmup=self.options.warmup,
+            seed=self.options.seed,
+        )
+        info: dict[str, Any] = {**dataclasses.asdict(settings), "error": None}
+        self.results["ddp"] = info
+        try:
+            result = ddp_bench.run(settings)
+        except ddp_bench.FAILURES as error:
+            info["error"] = f"{type(error).__name__}: {error}"
+            return
+        finally:
+            self.tick()
+        group = result.group
+        size = settings.size
+        info.update(
+            world_size=ddp_bench.WORLD_SIZE,
+            optimizer=group.optimizer,
+            set_to_none=group.set_to_none,
+            tensors=result.tensors,
+            params=result.params,
+            seconds=result.seconds,
+            rows=_whole_rows(size, group),
+        )
+        self.add_cases("ddp", size, group.label, group.timings, group.first)
+        self.results["compile"] += _compile_rows(
+            size, "ddp", f"DDP, {group.label}", _facades(group.first), group.timings
+        )
+
+
 def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs every section for every size in ``options`` and returns the results.
+    """Runs the selected sections for every size in ``options`` and returns the results.
 
     The returned dict holds ``meta``, ``sizes``, ``cases`` (every variant's raw rounds and
     samples in seconds, its statistics, first step and compilations after warm-up), and the
-    derived rows ``torch``, ``jax``, ``bandwidth``, ``floor`` and ``compile`` that the tables show.
+    derived rows the tables show: ``whole`` (whole iterations), ``torch`` (scaler only,
+    gradients refilled in place), ``ddp`` (settings, rows or error; ``None`` if not run),
+    ``jax``, ``bandwidth``, ``floor`` and ``compile``.
 
     Args:
         options: what to run.
         argv: the command-line arguments, recorded in ``meta.command``.
 
     Raises:
-        ValueError: an unknown size name or a non-positive round count.
+        ValueError: an unknown size or section name, or a non-positive round count.
     """
-    unknown = [s for s in options.sizes if s not in SIZES]
-    if unknown or not options.sizes:
-        raise ValueError(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
-    if options.rounds < 1 or (options.iters is not None and options.iters < 1):
-        raise ValueError("rounds and iters must be positive")
+    _validate(options)
     started = time.perf_counter()
-    results: dict[str, Any] = {
-        "meta": _meta(options, argv),
-        "sizes": {},
-        "cases": [],
-        "torch": [],
-        "jax": [],
-        "bandwidth": [],
-        "floor": [],
-        "compile": [],
-    }
-    groups_per_size = 2 + len(torch_bench.OPTIMIZERS)  # bandwidth, optimizers, jax
-    total = len(options.sizes) * (1 + groups_per_size * (options.rounds + 1))
     counter = CompileCounter()
     whole_run = CpuShare()
-    bar = tqdm(total=total, disable=not options.progress, unit="round", file=sys.stderr)
+    bar = tqdm(total=_ticks(options), disable=not options.progress, unit="round", file=sys.stderr)
+    state = _Run(options, _meta(options, argv), counter, bar)
+    results = state.results
     with counter.listening(), bar:
-
-        def tick() -> None:
-            bar.update(1)
-
         for size in options.sizes:
-            spec = SIZES[size]
-            plan = Plan(
-                rounds=options.rounds,
-                max_iters=options.iters or spec.iters,
-                fixed_iters=options.iters is not None,
-                warmup=options.warmup,
-            )
-            size_share = CpuShare()
-            bar.set_description(f"{size}: gradients")
-            grad_start = time.perf_counter()
-            grads = make_gradients(spec, options.seed)
-            results["sizes"][size] = {
-                "tensors": grads.tensors,
-                "params": grads.numel,
-                "max_iters": plan.max_iters,
-                "loss": grads.loss,
-                "flushed_small_grads": grads.flushed,
-                "gradient_seconds": time.perf_counter() - grad_start,
-            }
-            tick()
-
-            bar.set_description(f"{size}: bandwidth")
-            bw = bandwidth.run_group(grads.numel, plan, counter, tick)
-            tick()
-            for name, timing in bw.timings.items():
-                results["cases"].append(_case("bandwidth", size, "stream", name, timing, None))
-            bw_row = _bandwidth_row(size, bw)
-            results["bandwidth"].append(bw_row)
-            del bw
-            gc.collect()
-
-            size_torch_rows = []
-            for optimizer in torch_bench.OPTIMIZERS:
-                bar.set_description(f"{size}: torch {optimizer}")
-                group = torch_bench.run_group(grads, optimizer, plan, counter, tick)
-                tick()
-                for name, timing in group.timings.items():
-                    results["cases"].append(
-                        _case("torch", size, optimizer, name, timing, group.first[name])
-                    )
-                size_torch_rows += _torch_rows(size, group)
-                results["compile"] += _compile_rows(
-                    size,
-                    "torch",
-                    optimizer,
-                    {k: v for k, v in group.first.items() if k.startswith("facade")},
-                    group.timings,
-                )
-                del group
-                gc.collect()
-            results["torch"] += size_torch_rows
-            results["floor"] += _floor_rows(bw_row, size_torch_rows)
-
-            bar.set_description(f"{size}: jax optax")
-            jgroup = jax_bench.run_group(grads, plan, counter, tick)
-            tick()
-            for name, timing in jgroup.timings.items():
-                results["cases"].append(
-                    _case("jax", size, "optax", name, timing, jgroup.first[name])
-                )
-            results["jax"].append(_jax_row(size, jgroup))
-            results["compile"] += _compile_rows(size, "jax", "", jgroup.first, jgroup.timings)
-            results["sizes"][size]["other_cpu_cores"] = size_share.other_cores()
-            del jgroup, grads
-            gc.collect()
-    results["meta"]["compiles_after_warmup_total"] = sum(
+            state.size(size)
+        if "ddp" in options.sections:
+            state.ddp()
+    meta = results["meta"]
+    meta["compiles_after_warmup_total"] = sum(
         case["compiles_after_warmup"] for case in results["cases"]
     )
-    results["meta"]["wall_seconds"] = time.perf_counter() - started
-    results["meta"]["load_average_end"] = _load()
-    results["meta"]["other_cpu_cores"] = whole_run.other_cores()
+    meta["skipped_steps_total"] = _skipped_total(results)
+    meta["wall_seconds"] = time.perf_counter() - started
+    meta["load_average_end"] = _load()
+    meta["other_cpu_cores"] = whole_run.other_cores()
     return results
+
+
+def _skipped_total(results: dict[str, Any]) -> int:
+    """Steps skipped for an overflow in every whole-iteration and DDP variant (must be 0)."""
+    rows = results["whole"] + ((results["ddp"] or {}).get("rows") or [])
+    return sum(r["torch_skipped_steps"] + r["facade_skipped_steps"] for r in rows)

@@ -1,10 +1,13 @@
-"""Benchmark sizes and their gradients, produced once by a real backward pass.
+"""Benchmark sizes, their models, and gradients produced once by a real backward pass.
 
 Every size is a GPT-2-like stack of ``Embedding``/``LayerNorm``/``Linear`` modules with a tied
-output head, run forward and backward once on random tokens with a next-token cross-entropy loss;
-the gradients of that backward pass are saved and copied back into ``.grad`` before every timed step.
-The ``tiny`` size has the tensor count of ``M`` with one element per tensor (its gradients come from
-a backward pass through a small element-wise loss), so it exposes the fixed per-step cost.
+output head, trained with a next-token cross-entropy loss on random tokens
+(:func:`next_token_loss`). The whole-iteration section trains that model (:func:`model_spec`);
+the scaler-only section saves the gradients of one backward pass and copies them back into
+``.grad`` before every timed step. For the scaler-only section the ``tiny`` size has the tensor
+count of ``M`` with one element per tensor (its gradients come from a backward pass through a small
+element-wise loss); for the whole iteration it is ``M``'s layout at width 16. Both expose the fixed
+per-step cost.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ DEFAULT_SIZES = ("S", "M", "tiny")
 """What ``python -m benchmarks`` runs without ``--sizes``; ``--large`` adds ``L``."""
 
 _TOKENS = 64  # sequence length of the single backward pass
+
+TINY_WIDTH = 16
+"""Width, vocabulary and context of the ``tiny`` size's model in the whole-iteration section."""
 
 FLUSH_BELOW = 2.0**-58
 """Gradient values smaller than this in magnitude are set to zero once, after the backward pass.
@@ -142,6 +148,38 @@ class GPTLike(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x) @ self.wte.weight.T
+
+
+def model_spec(spec: SizeSpec) -> SizeSpec:
+    """The spec of the model that ``spec``'s whole iterations train.
+
+    ``spec`` itself, except for ``tiny``: ``M``'s layers and layout at width, vocabulary and
+    context :data:`TINY_WIDTH` (a real model with ``M``'s tensor count and almost no arithmetic).
+
+    Example:
+        >>> from benchmarks.sizes import SIZES, model_spec, parameter_count
+        >>> model_spec(SIZES["S"]) == SIZES["S"], parameter_count(model_spec(SIZES["tiny"]))
+        (True, 39904)
+    """
+    if not spec.tiny:
+        return spec
+    return dataclasses.replace(
+        spec, d_model=TINY_WIDTH, vocab=TINY_WIDTH, context=TINY_WIDTH, tiny=False
+    )
+
+
+def random_tokens(
+    spec: SizeSpec, batch: int, tokens: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Random token ids of shape ``(batch, tokens + 1)``: inputs and their next-token targets."""
+    return torch.randint(0, spec.vocab, (batch, tokens + 1), generator=generator)
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy of ``model`` (a :class:`GPTLike`, possibly wrapped) on
+    ``tokens`` of shape ``(batch, n + 1)``."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 @dataclasses.dataclass
@@ -233,9 +271,7 @@ def make_gradients(spec: SizeSpec, seed: int = 0) -> GradientSet:
         model = GPTLike(spec)
         names = [name for name, _ in model.named_parameters()]
         params = list(model.parameters())
-        tokens = torch.randint(0, spec.vocab, (2, _TOKENS + 1), generator=generator)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(model, random_tokens(spec, 2, _TOKENS, generator))
     assert isinstance(loss, torch.Tensor)
     loss.backward()
     grads = []

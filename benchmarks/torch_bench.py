@@ -65,9 +65,11 @@ def _refill(params: list[torch.nn.Parameter], saved: list[torch.Tensor]) -> Call
 def make_variant(name: str, optimizer: str, grads: GradientSet) -> Variant:
     """Builds one variant on fresh parameters (gradients filled from ``grads``).
 
-    Timed calls: ``bare``: ``opt.step()``; ``torch``: ``scaler.step(opt); scaler.update()``;
-    ``torch+clip``: ``scaler.unscale_(opt); clip_grad_norm_(params, BIG_NORM)`` first;
-    ``facade`` and ``facade+clip``: ``scaler.step(opt); scaler.update()`` with
+    Timed calls: ``bare``: ``opt.step()``; ``torch``: ``scaler.scale(loss); scaler.step(opt);
+    scaler.update()`` (``loss`` a constant scalar: both scalers require a ``scale`` call per
+    iteration, and the gradients come from the refill); ``torch+clip``: ``scaler.unscale_(opt);
+    clip_grad_norm_(params, BIG_NORM)`` before ``step``; ``facade`` and ``facade+clip``: the
+    calls of ``torch`` with
     ``cstorch.amp.GradScaler(loss_scale="dynamic", ...)``, the latter with
     ``max_gradient_norm=BIG_NORM`` (DLS + GCC: clipping folded into the overflow check).
 
@@ -84,18 +86,20 @@ def make_variant(name: str, optimizer: str, grads: GradientSet) -> Variant:
     refill = _refill(params, grads.grads)
     if name == "bare":
         return Variant(name, opt.step, refill)
+    loss = torch.ones(())
     if name in ("torch", "torch+clip"):
         scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE, growth_interval=NEVER)
-        scaler.scale(torch.ones(()))  # torch asserts unless scale() ran once
         if name == "torch":
 
             def torch_step() -> None:
+                scaler.scale(loss)
                 scaler.step(opt)
                 scaler.update()
 
             return Variant(name, torch_step, refill)
 
         def torch_clip_step() -> None:
+            scaler.scale(loss)
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(params, BIG_NORM)
             scaler.step(opt)
@@ -112,6 +116,7 @@ def make_variant(name: str, optimizer: str, grads: GradientSet) -> Variant:
         )
 
         def facade_step() -> None:
+            facade.scale(loss)
             facade.step(opt)
             facade.update()
 

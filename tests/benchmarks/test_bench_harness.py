@@ -1,16 +1,35 @@
-"""The benchmark harness runs end to end on the tiny size and emits every field (never a timing)."""
+"""The benchmark harness runs end to end on small settings and emits every field (never a timing).
+
+The end-to-end run uses size S (20 tensors: its compilations are quicker than tiny's 148), every
+section, one timed step per round and two rounds. The report's rendering of other cases (sections
+left out, overflows, subnormals, a failed DDP section) is checked on edited copies of its results.
+"""
 
 from __future__ import annotations
 
 import doctest
 import json
 import math
+import multiprocessing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from benchmarks import bandwidth, cli, jax_bench, report, runner, sizes, timing, torch_bench
+from benchmarks import (
+    bandwidth,
+    cli,
+    ddp_bench,
+    jax_bench,
+    report,
+    runner,
+    sizes,
+    timing,
+    torch_bench,
+    whole_bench,
+)
 
 STATS_KEYS = {"median", "min", "max"}
 CASE_KEYS = {
@@ -27,12 +46,23 @@ CASE_KEYS = {
     "first_step",
 }
 ROUNDS = 2
+S_TENSORS, S_PARAMS = 20, 1_068_800
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def one_torch_thread() -> Iterator[None]:
+    """Nothing is timed here; two OpenMP threads on a loaded 2-core machine (or next to another
+    pytest worker) make every tiny step tens of times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Path:
     out = tmp_path_factory.mktemp("bench")
-    argv = ["--sizes", "tiny", "--rounds", str(ROUNDS), "--iters", "1", "--warmup", "1"]
+    argv = ["--sizes", "S", "--rounds", str(ROUNDS), "--iters", "1", "--warmup", "1"]
     assert cli.main([*argv, "--out", str(out), "--no-progress"]) == 0
     return out
 
@@ -53,18 +83,24 @@ def _assert_stats(stats: dict[str, Any]) -> None:
         assert value is None or isinstance(value, float)
 
 
+WHOLE_GROUPS = [f"{o}, set_to_none={s}" for o in torch_bench.OPTIMIZERS for s in (True, False)]
+DDP_GROUP = f"{ddp_bench.OPTIMIZER}, set_to_none=True"
+
+
 def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
     expected = (
         {("bandwidth", "stream", v) for v in bandwidth.VARIANTS}
         | {("torch", o, v) for o in torch_bench.OPTIMIZERS for v in torch_bench.VARIANTS}
         | {("jax", "optax", v) for v in jax_bench.VARIANTS}
+        | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.VARIANTS}
+        | {("ddp", DDP_GROUP, v) for v in whole_bench.VARIANTS}
     )
     cases = results["cases"]
     assert {(c["section"], c["group"], c["variant"]) for c in cases} == expected
     assert len(cases) == len(expected)
     for case in cases:
         assert set(case) == CASE_KEYS
-        assert case["size"] == "tiny"
+        assert case["size"] == "S"
         _assert_stats(case["stats"])
         assert len(case["rounds"]) == ROUNDS
         assert case["iters"] == 1
@@ -77,43 +113,75 @@ def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
             assert set(case["first_step"]) == {"seconds", "compiles", "compile_seconds"}
 
 
+COMPARISON_KEYS = (
+    "bare_ms",
+    "torch_ms",
+    "facade_ms",
+    "step_ratio",
+    "torch_overhead_ms",
+    "facade_overhead_ms",
+    "overhead_ratio",
+)
+
+
+def _assert_whole_rows(rows: list[dict[str, Any]], groups: set[tuple[str, bool]]) -> None:
+    assert {(r["optimizer"], r["set_to_none"], r["clip"]) for r in rows} == {
+        (o, s, c) for o, s in groups for c in (False, True)
+    }
+    assert len(rows) == 2 * len(groups)
+    for row in rows:
+        for key in COMPARISON_KEYS:
+            _assert_stats(row[key])
+        assert row["torch_skipped_steps"] == row["facade_skipped_steps"] == 0
+
+
 def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     assert set(results) == {
         "meta",
         "sizes",
         "cases",
+        "whole",
         "torch",
+        "ddp",
         "jax",
         "bandwidth",
         "floor",
         "compile",
     }
-    assert set(results["sizes"]) == {"tiny"}
-    assert set(results["sizes"]["tiny"]) == {
+    assert set(results["sizes"]) == {"S"}
+    size = results["sizes"]["S"]
+    assert set(size) == {
         "tensors",
         "params",
         "max_iters",
-        "loss",
-        "flushed_small_grads",
-        "gradient_seconds",
+        "whole",
+        "gradients",
         "other_cpu_cores",
     }
-    assert results["sizes"]["tiny"]["tensors"] == results["sizes"]["tiny"]["params"] == 148
+    assert (size["tensors"], size["params"]) == (S_TENSORS, S_PARAMS)
+    assert set(size["gradients"]) == {"loss", "flushed_small_grads", "seconds"}
+    whole = size["whole"]
+    assert (whole["tensors"], whole["params"]) == (S_TENSORS, S_PARAMS)
+    assert (whole["batch"], whole["tokens"]) == (whole_bench.BATCH, whole_bench.TOKENS)
+    assert whole["subnormals"] == {"gradients": 0, "adamw_state": 0}
+    vocab = sizes.SIZES["S"].vocab
+    assert math.isclose(whole["initial_loss"], math.log(vocab), rel_tol=0.1)
+
+    _assert_whole_rows(
+        results["whole"], {(o, s) for o in torch_bench.OPTIMIZERS for s in (True, False)}
+    )
+    ddp = results["ddp"]
+    assert ddp["error"] is None
+    assert (ddp["size"], ddp["world_size"], ddp["tensors"]) == ("S", 2, S_TENSORS)
+    assert ddp["seconds"] > 0
+    _assert_whole_rows(ddp["rows"], {(ddp_bench.OPTIMIZER, True)})
 
     torch_rows = results["torch"]
     assert {(r["optimizer"], r["clip"]) for r in torch_rows} == {
         (o, c) for o in torch_bench.OPTIMIZERS for c in (False, True)
     }
     for row in torch_rows:
-        for key in (
-            "bare_ms",
-            "torch_ms",
-            "facade_ms",
-            "step_ratio",
-            "torch_overhead_ms",
-            "facade_overhead_ms",
-            "overhead_ratio",
-        ):
+        for key in COMPARISON_KEYS:
             _assert_stats(row[key])
 
     (jax_row,) = results["jax"]
@@ -129,7 +197,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         _assert_stats(jax_row[key])
 
     (bw_row,) = results["bandwidth"]
-    assert bw_row["params"] == 148
+    assert bw_row["params"] == S_PARAMS
     _assert_stats(bw_row["inplace_gbps"])
     _assert_stats(bw_row["read_gbps"])
 
@@ -140,16 +208,22 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
             assert key in row
         assert "torch_fraction" in row and "facade_fraction" in row
 
-    compile_cases = {r["case"] for r in results["compile"]}
-    assert compile_cases == {
-        f"{v}, {o}" for o in torch_bench.OPTIMIZERS for v in ("facade", "facade+clip")
-    } | set(jax_bench.VARIANTS)
+    compile_cases = {(r["section"], r["case"]) for r in results["compile"]}
+    facades = ("facade", "facade+clip")
+    assert compile_cases == (
+        {("torch", f"{v}, {o}") for o in torch_bench.OPTIMIZERS for v in facades}
+        | {("whole", f"{v}, {g}") for g in WHOLE_GROUPS for v in facades}
+        | {("ddp", f"{v}, DDP, {DDP_GROUP}") for v in facades}
+        | {("jax", v) for v in jax_bench.VARIANTS}
+    )
     for row in results["compile"]:
         assert row["compiles_after_warmup"] == 0
         assert row["first_step_compiles"] >= 0
 
     meta = results["meta"]
     assert meta["compiles_after_warmup_total"] == 0
+    assert meta["skipped_steps_total"] == 0
+    assert meta["sections"] == list(runner.SECTIONS)
     for key in (
         "date",
         "command",
@@ -168,25 +242,81 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     assert math.isclose(meta["loss_scale"], 1 + 2**-23)
 
 
+HEADINGS = (
+    "## 1. Whole iteration of the documented loop",
+    "## 2. Scaler only, gradients refilled in place",
+    "## 3. Whole iteration under DistributedDataParallel, 2 ranks",
+    "## 4. JAX-native",
+    "## 5. Bandwidth floor",
+    "## 6. Compilation",
+)
+
+
 def test_markdown_has_the_expected_rows(markdown: str) -> None:
-    for heading in (
-        "## 1. torch",
-        "## 2. JAX-native",
-        "## 3. Bandwidth floor",
-        "## 4. Compilation",
-    ):
-        assert heading in markdown
+    positions = [markdown.index(heading) for heading in HEADINGS]
+    assert positions == sorted(positions)
     for optimizer in torch_bench.OPTIMIZERS:
         for clip in ("no", "yes"):
-            assert f"| tiny | {optimizer} | {clip} |" in markdown
-    assert markdown.count("| tiny | SGD foreach |") == 4  # torch table and floor table
-    assert "| tiny | 148 |" in markdown  # bandwidth
+            assert f"| S | {optimizer} | {clip} |" in markdown  # scaler only
+            for set_to_none in (True, False):
+                assert f"| S | {optimizer} | {clip} | {set_to_none} |" in markdown  # whole
+    assert markdown.count("| S | SGD foreach | no | ") == 4  # whole x2, scaler only, floor
+    assert markdown.count(f"| S | {ddp_bench.OPTIMIZER} | yes | ") == 5  # and DDP
+    assert f"| S | {S_PARAMS:,} |" in markdown  # bandwidth
     for case in ("facade, SGD foreach", "facade+clip, AdamW fused", *jax_bench.VARIANTS):
-        assert f"| tiny | {case} |" in markdown
+        assert f"| {case} |" in markdown
+    assert "| S | whole | facade, SGD fused, set_to_none=True |" in markdown
     assert "compilations after warm-up, all cases: 0" in markdown
+    assert markdown.count("No step overflowed") == 2  # whole and DDP
+    assert f"Sizes: S = {S_TENSORS} tensors, {S_PARAMS:,} params." in markdown
     for line in markdown.splitlines():
-        if line.startswith("| tiny |"):
+        if line.startswith("| S |"):
             assert line.endswith("|") and "None" not in line
+
+
+def test_markdown_renders_the_sections_that_ran(results: dict[str, Any]) -> None:
+    whole_only = {
+        **results,
+        "torch": [],
+        "ddp": None,
+        "jax": [],
+        "bandwidth": [],
+        "floor": [],
+        "compile": [r for r in results["compile"] if r["section"] == "whole"],
+    }
+    text = report.markdown(whole_only)
+    assert "## 1. Whole iteration of the documented loop" in text
+    assert "## 2. Compilation" in text
+    assert "Scaler only" not in text and "JAX-native" not in text and "DistributedData" not in text
+    zero = {"gradients": 0, "adamw_state": 0}
+    whole = {"tensors": 148, "params": 39904, "batch": 1, "tokens": 16, "subnormals": zero}
+    tiny = {"tensors": 148, "params": 148, "whole": whole}
+    text = report.markdown({**results, "sizes": {"tiny": tiny}})
+    assert "tiny = 148 tensors, 148 params (whole-iteration model: 148 tensors, 39,904" in text
+    scaler_only = {**results, "whole": [], "ddp": None}
+    text = report.markdown(scaler_only)
+    assert "## 1. Scaler only, gradients refilled in place" in text
+    assert "Whole iteration" not in text
+
+
+def test_markdown_reports_overflows_and_ddp_failures(results: dict[str, Any]) -> None:
+    skipped = [dict(r) for r in results["whole"]]
+    skipped[0]["facade_skipped_steps"] = 3
+    text = report.markdown({**results, "whole": skipped})
+    assert "**Steps were skipped for an overflow**" in text
+    assert "S SGD foreach: torch 0, facade 3" in text
+    assert "Subnormal float32 values after two probe iterations" in text
+    assert "(not 0:" not in text
+    size = results["sizes"]["S"]
+    subnormal = {
+        **size,
+        "whole": {**size["whole"], "subnormals": {"gradients": 0, "adamw_state": 7}},
+    }
+    text = report.markdown({**results, "sizes": {"S": subnormal}})
+    assert "two probe iterations (gradients / fused AdamW state): S 0 / 7 **(not 0:" in text
+    failed = {**results, "ddp": {**results["ddp"], "error": "TimeoutError: took too long"}}
+    text = report.markdown(failed)
+    assert "**The DDP section failed**: `TimeoutError: took too long`" in text
 
 
 def test_stdout_is_the_markdown(run_dir: Path, markdown: str) -> None:
@@ -218,6 +348,71 @@ def test_thread_settings_are_read_from_the_environment(monkeypatch: pytest.Monke
     assert meta["env"] == {"GOMP_SPINCOUNT": "3000"}
 
 
+@pytest.fixture(scope="module")
+def workload(one_torch_thread: None) -> whole_bench.Workload:
+    """Size S: the end-to-end run has compiled the facade for its gradients already."""
+    return whole_bench.make_workload(sizes.SIZES["S"])
+
+
+@pytest.mark.parametrize("name", ["torch", "torch+clip", "facade", "facade+clip"])
+def test_train_loop_counts_skipped_steps(workload: whole_bench.Workload, name: str) -> None:
+    loop = whole_bench.TrainLoop(name, "SGD foreach", True, workload)
+    loop.step()
+    assert loop.skipped_steps() == 0
+    with torch.no_grad():
+        loop.params[0].fill_(math.inf)  # the embedding: the loss and its gradients are not finite
+    loop.step()
+    loop.step()
+    assert loop.skipped_steps() == 2
+
+
+def test_train_loop_trains_a_copy(workload: whole_bench.Workload) -> None:
+    loop = whole_bench.TrainLoop("bare", "AdamW fused", False, workload)
+    loop.step()
+    loop.step()
+    assert loop.params[0] is not next(workload.model.parameters())
+    assert all(p.grad is not None for p in loop.params)  # set_to_none=False keeps them
+    with pytest.raises(ValueError, match="unknown variant"):
+        whole_bench.TrainLoop("facade+fast", "SGD foreach", True, workload)
+
+
+def test_subnormals_are_counted(workload: whole_bench.Workload) -> None:
+    values = torch.tensor([1e-39, 0.0, 1.0, -1e-40, 2.0**-126, -math.inf])
+    assert whole_bench._subnormals([values, values[:1]]) == 3
+    tiny = whole_bench.make_workload(sizes.SIZES["tiny"])
+    assert tiny.tensors == len(sizes.shape_list(sizes.SIZES["tiny"]))
+    assert whole_bench.count_subnormals(tiny) == {"gradients": 0, "adamw_state": 0}
+
+
+def test_ddp_section_times_out_and_stops_its_ranks() -> None:
+    settings = ddp_bench.DdpSettings(size="tiny", rounds=1, iters=1, warmup=0)
+    with pytest.raises(TimeoutError, match="did not finish"):
+        ddp_bench.run(settings, timeout_s=0.5)
+    assert not multiprocessing.active_children()
+
+
+def test_cli_selects_sections(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen: list[runner.BenchOptions] = []
+
+    def fake_run(options: runner.BenchOptions, argv: Any = None) -> dict[str, Any]:
+        seen.append(options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    for argv, sections in (
+        ([], runner.SECTIONS),
+        (["--sections", "whole"], ("whole",)),
+        (["--sections", "scaler,jax"], ("scaler", "jax")),
+        (["--no-ddp"], ("whole", "scaler", "jax")),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main([*argv, "--out", str(tmp_path)])
+        assert seen[-1].sections == sections
+    assert seen[0].sizes == sizes.DEFAULT_SIZES and seen[0].ddp_size == "S"
+    with pytest.raises(SystemExit, match="no section left"):
+        cli.main(["--sections", "ddp", "--no-ddp"])
+
+
 @pytest.mark.parametrize("module", [timing, sizes, report])
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
@@ -225,9 +420,10 @@ def test_doctests(module: Any) -> None:
 
 
 def test_bad_arguments_are_rejected() -> None:
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["--sizes", "XL"])
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["--rounds", "0"])
+    for argv in (["--sizes", "XL"], ["--rounds", "0"], ["--sections", "all"], ["--ddp-size", "XL"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(argv)
     with pytest.raises(ValueError, match="unknown sizes"):
         runner.run(runner.BenchOptions(sizes=("XL",)))
+    with pytest.raises(ValueError, match="unknown sections"):
+        runner.run(runner.BenchOptions(sizes=("tiny",), sections=("whole", "floor")))

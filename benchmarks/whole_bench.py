@@ -1,0 +1,269 @@
+"""Section 1: whole training iterations of the documented loop, the facade against torch's scaler.
+
+Every timed call is one iteration of the loop users run, on a GPT-2-like model
+(:mod:`benchmarks.sizes`) with a next-token loss on fixed random tokens::
+
+    optimizer.zero_grad(set_to_none=...)  # torch's default: True, fresh gradients every backward
+    loss = next_token_loss(model, tokens)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer); clip_grad_norm_(params, CLIP_NORM)  # torch, with clipping only
+    scaler.step(optimizer)
+    scaler.update()
+
+The bare variant runs ``zero_grad``, ``loss.backward()`` and ``optimizer.step()`` without a scaler;
+a scaler's overhead is its iteration time minus the bare one of the same round. Each variant trains
+its own copy of one model; the loss scale is about 1 and the learning rate tiny, so every variant
+sees the same gradients on every iteration and no step overflows (checked after timing).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import torch_facade as cstorch
+from benchmarks.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
+from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
+from benchmarks.torch_bench import LOSS_SCALE, NEVER, OPTIMIZERS, VARIANTS
+
+BATCH = 1
+"""Sequences per iteration (keeps an ``M`` iteration to a few hundred ms on 2 cores)."""
+
+TOKENS = 64
+"""Tokens per sequence, at most the model's context."""
+
+CLIP_NORM = 1.0
+"""``max_gradient_norm`` of the facade and ``max_norm`` of ``clip_grad_norm_`` with clipping."""
+
+SET_TO_NONE = (True, False)
+"""The ``zero_grad(set_to_none=...)`` settings measured; ``True`` is torch's default."""
+
+
+@dataclasses.dataclass
+class Workload:
+    """One size's model and batch; every variant trains a copy of the model on the same tokens.
+
+    Attributes:
+        spec: the spec of the trained model (see :func:`benchmarks.sizes.model_spec`).
+        model: the initial model.
+        tokens: token ids of shape ``(batch, tokens + 1)``.
+    """
+
+    spec: SizeSpec
+    model: nn.Module
+    tokens: torch.Tensor
+
+    @property
+    def tensors(self) -> int:
+        """Number of parameter tensors."""
+        return len(list(self.model.parameters()))
+
+    @property
+    def params(self) -> int:
+        """Total number of parameters."""
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def make_workload(
+    spec: SizeSpec, seed: int = 0, batch: int = BATCH, token_seed: int | None = None
+) -> Workload:
+    """Builds the model of ``spec``'s whole iterations and a batch of random tokens.
+
+    Args:
+        spec: the size (``tiny`` trains ``M``'s layout at a tiny width).
+        seed: seeds the initialisation (and the tokens, unless ``token_seed`` is given).
+        batch: sequences per iteration.
+        token_seed: seeds the tokens (e.g. one per DDP rank).
+    """
+    spec = model_spec(spec)
+    torch.manual_seed(seed)
+    model = GPTLike(spec)
+    generator = torch.Generator().manual_seed(seed if token_seed is None else token_seed)
+    tokens = random_tokens(spec, batch, min(TOKENS, spec.context), generator)
+    return Workload(spec, model, tokens)
+
+
+def _facade_scaler(clip: bool) -> cstorch.amp.GradScaler:
+    return cstorch.amp.GradScaler(
+        loss_scale="dynamic",
+        init_scale=LOSS_SCALE,
+        max_loss_scale=LOSS_SCALE,
+        steps_per_increase=NEVER,
+        max_gradient_norm=CLIP_NORM if clip else None,
+    )
+
+
+def _torch_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE, growth_interval=NEVER)
+
+
+class TrainLoop:
+    """One variant: its own model copy, optimizer and scaler; :meth:`step` runs one iteration.
+
+    Args:
+        name: one of :data:`VARIANTS`.
+        optimizer: one of :data:`benchmarks.torch_bench.OPTIMIZERS`.
+        set_to_none: the ``zero_grad`` argument.
+        workload: the model to copy and the tokens.
+        wrap: applied to the model copy before training (e.g. ``DistributedDataParallel``).
+
+    Raises:
+        ValueError: unknown variant name.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        optimizer: str,
+        set_to_none: bool,
+        workload: Workload,
+        wrap: Callable[[nn.Module], nn.Module] = lambda module: module,
+    ) -> None:
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
+        module = copy.deepcopy(workload.model)
+        self.params = list(module.parameters())
+        self.model = wrap(module)
+        self.optimizer = OPTIMIZERS[optimizer](self.params)
+        self.tokens = workload.tokens
+        self.set_to_none = set_to_none
+        self.torch_scaler = _torch_scaler() if name.startswith("torch") else None
+        self.facade = _facade_scaler(name == "facade+clip") if name.startswith("facade") else None
+        steps = {
+            "bare": self._bare,
+            "torch": self._torch,
+            "torch+clip": self._torch_clip,
+            "facade": self._facade,
+            "facade+clip": self._facade,
+        }
+        self.step: Callable[[], None] = steps[name]
+
+    def _zero_grad_and_loss(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
+        return next_token_loss(self.model, self.tokens)
+
+    def _bare(self) -> None:
+        self._zero_grad_and_loss().backward()
+        self.optimizer.step()
+
+    def _torch(self) -> None:
+        assert self.torch_scaler is not None
+        self.torch_scaler.scale(self._zero_grad_and_loss()).backward()
+        self.torch_scaler.step(self.optimizer)
+        self.torch_scaler.update()
+
+    def _torch_clip(self) -> None:
+        assert self.torch_scaler is not None
+        self.torch_scaler.scale(self._zero_grad_and_loss()).backward()
+        self.torch_scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
+        self.torch_scaler.step(self.optimizer)
+        self.torch_scaler.update()
+
+    def _facade(self) -> None:  # with clipping, the scaler clips (max_gradient_norm)
+        assert self.facade is not None
+        self.facade.scale(self._zero_grad_and_loss()).backward()
+        self.facade.step(self.optimizer)
+        self.facade.update()
+
+    def skipped_steps(self) -> int:
+        """Steps skipped for an overflow so far (0 for the bare loop).
+
+        The facade counts them (``get_num_skipped_steps``); torch's scaler never grows here
+        (``growth_interval`` is :data:`~benchmarks.torch_bench.NEVER`) and halves its scale on
+        every skipped step, so its count is ``log2(initial scale / scale)``.
+        """
+        if self.facade is not None:
+            return int(self.facade.get_num_skipped_steps())
+        if self.torch_scaler is not None:
+            return round(math.log2(LOSS_SCALE / self.torch_scaler.get_scale()))
+        return 0
+
+
+def _subnormals(tensors: list[torch.Tensor]) -> int:
+    tiny = torch.finfo(torch.float32).tiny
+    return sum(int(((t != 0) & (t.abs() < tiny)).sum()) for t in tensors)
+
+
+def count_subnormals(workload: Workload) -> dict[str, int]:
+    """Subnormal float32 values after two bare fused-AdamW iterations on a copy of the model.
+
+    torch's CPU kernels run many times slower on subnormal operands, while XLA flushes them
+    (``../shared/PERFORMANCE.md`` item 9); AdamW's second moment ``(1 - 0.999) * g**2`` is the
+    first place tiny gradients would turn subnormal. Both counts should be 0.
+
+    Returns:
+        ``{"gradients": ..., "adamw_state": ...}``: counts in the gradients and in the
+        optimizer's moment tensors.
+    """
+    loop = TrainLoop("bare", "AdamW fused", True, workload)
+    loop.step()
+    loop.step()
+    grads = [p.grad for p in loop.params if p.grad is not None]
+    moments = [
+        tensor
+        for state in loop.optimizer.state.values()
+        for tensor in state.values()
+        if tensor.is_floating_point() and tensor.dim() > 0
+    ]
+    return {"gradients": _subnormals(grads), "adamw_state": _subnormals(moments)}
+
+
+@dataclasses.dataclass
+class WholeGroup:
+    """The measurements of one size, optimizer and ``zero_grad`` setting.
+
+    Attributes:
+        optimizer: key of :data:`benchmarks.torch_bench.OPTIMIZERS`.
+        set_to_none: the ``zero_grad`` argument.
+        first: first iteration of every variant.
+        timings: timed rounds of every variant.
+        skipped_steps: steps skipped for an overflow over all iterations, per variant (must be 0).
+    """
+
+    optimizer: str
+    set_to_none: bool
+    first: dict[str, FirstStep]
+    timings: dict[str, Timing]
+    skipped_steps: dict[str, int]
+
+    @property
+    def label(self) -> str:
+        """``"<optimizer>, set_to_none=<bool>"``: the group's name in the JSON cases."""
+        return f"{self.optimizer}, set_to_none={self.set_to_none}"
+
+
+def run_group(
+    workload: Workload,
+    optimizer: str,
+    set_to_none: bool,
+    plan: Plan,
+    counter: CompileCounter,
+    on_round: Callable[[], object] = lambda: None,
+    wrap: Callable[[nn.Module], nn.Module] = lambda module: module,
+) -> WholeGroup:
+    """Measures the five variants of one optimizer and ``zero_grad`` setting, interleaved.
+
+    Args:
+        workload: the size's model and tokens.
+        optimizer: one of :data:`benchmarks.torch_bench.OPTIMIZERS`.
+        set_to_none: the ``zero_grad`` argument.
+        plan: rounds, iterations per round and warm-up.
+        counter: a listening compile counter.
+        on_round: progress callback, once per round.
+        wrap: applied to every variant's model copy (e.g. ``DistributedDataParallel``).
+    """
+    loops: dict[str, TrainLoop] = {}
+
+    def make(name: str) -> Variant:
+        loops[name] = TrainLoop(name, optimizer, set_to_none, workload, wrap)
+        return Variant(name, loops[name].step)
+
+    first, timings = measure_group(VARIANTS, make, plan, counter, on_round)
+    skipped = {name: loop.skipped_steps() for name, loop in loops.items()}
+    return WholeGroup(optimizer, set_to_none, first, timings, skipped)
