@@ -510,7 +510,8 @@ def select_if_finite(isfinite: jax.typing.ArrayLike, new_tree: Any, old_tree: An
     """Leaf-wise ``new if isfinite else old``, for small trees such as the scaler state.
 
     For whole parameter and optimizer-state trees prefer :func:`with_loss_scaling` (a
-    ``lax.cond`` that skips the optimizer's work): a select reads and writes every leaf twice.
+    select placed where each new leaf is defined) or :func:`apply_scaled_gradients` (a
+    ``lax.cond``): a select at the end reads and writes every leaf twice.
 
     Raises:
         ValueError: the two trees differ in structure.

@@ -55,8 +55,7 @@ class TorchGroup:
 
 def _refill(params: list[torch.nn.Parameter], saved: list[torch.Tensor]) -> Callable[[], None]:
     def refill() -> None:
-        # Always through ``p.grad``: the facade replaces each gradient by a view of its arena on
-        # its first step, and copying in place keeps that view.
+        # In place into the persistent ``.grad`` tensors (never replaced by either scaler).
         torch._foreach_copy_([p.grad for p in params], saved)
 
     return refill
