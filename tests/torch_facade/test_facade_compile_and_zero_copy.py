@@ -2,35 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import pytest
 import torch
-from facade_helpers import INF, NAN, TinyNet, loss_of
+from facade_helpers import (
+    COMPILE_EVENT,
+    INF,
+    NAN,
+    TRACE_EVENT,
+    TinyNet,
+    jax_compile_events,
+    loss_of,
+)
 
 import torch_facade as cstorch
 from torch_facade.amp import _bridge
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-
-
-@contextlib.contextmanager
-def jax_compile_events():
-    """Collects the names of JAX's compile-time events while the block runs."""
-    events: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def mixed_setup(config_kwargs):
