@@ -22,14 +22,19 @@ from benchmarks.sizes import DEFAULT_SIZES, SIZES
 from benchmarks.torch_bench import WARMUP_STEPS
 
 
-def _sizes(text: str) -> tuple[str, ...]:
+def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
+    """A comma-separated list of names among ``known``."""
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in SIZES]
+    unknown = [s for s in names if s not in known]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown sizes {unknown or text!r}; choose from {', '.join(SIZES)}"
+            f"unknown {what} {unknown or text!r}; choose from {', '.join(known)}"
         )
     return names
+
+
+def _sizes(text: str) -> tuple[str, ...]:
+    return _names(text, tuple(SIZES), "sizes")
 
 
 def _size(text: str) -> str:
@@ -39,13 +44,7 @@ def _size(text: str) -> str:
 
 
 def _sections(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in SECTIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown sections {unknown or text!r}; choose from {', '.join(SECTIONS)}"
-        )
-    return names
+    return _names(text, tuple(SECTIONS), "sections")
 
 
 def _positive(text: str) -> int:

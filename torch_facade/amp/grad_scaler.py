@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import torch
 
 import amp_core
@@ -121,7 +120,7 @@ class _Decision:
             return 1.0
         if id(optimizer) in self.to_kernel and self.host_isfinite():
             return 1.0
-        return float(1.0 / np.float32(jax.device_get(self.state_before.loss_scale)))
+        return float(_bridge.inverse_scale(self.state_before))  # amp_core's, not ours
 
 
 def _multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
