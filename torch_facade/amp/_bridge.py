@@ -44,11 +44,12 @@ def _cpu_importer() -> Any:
         from jax._src.lib import _jax as jaxlib_ext
 
         convert = jaxlib_ext.dlpack_managed_tensor_to_buffer
+        to_dlpack = torch.utils.dlpack.to_dlpack
         cpu = jax.devices("cpu")[0]
         kind = int(torch.utils.dlpack.DLDeviceType.kDLCPU)
 
         def importer(tensor: torch.Tensor) -> jax.Array:
-            return convert(torch.utils.dlpack.to_dlpack(tensor), cpu, None, None, kind)
+            return convert(to_dlpack(tensor), cpu, None, None, kind)
 
         probe = torch.arange(16, dtype=torch.float32)
         array = importer(probe)
@@ -78,8 +79,7 @@ def import_tensors(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:
     """
     if not tensors:
         return ()
-    importer = _importer_for(tensors[0])
-    return tuple(importer(t) for t in tensors)
+    return tuple(map(_importer_for(tensors[0]), tensors))
 
 
 def _importer_for(tensor: torch.Tensor) -> Any:

@@ -41,7 +41,7 @@ def local_values(grad: torch.Tensor) -> tuple[torch.Tensor, bool, Any]:
         ValueError: a DTensor on a mesh of more than one dimension, or with a ``Partial``
             (unreduced) placement.
     """
-    if not is_dtensor(grad):
+    if type(grad) is torch.Tensor or not is_dtensor(grad):  # the first test is the fast path
         return grad, False, None
     placements = grad.placements
     mesh = grad.device_mesh

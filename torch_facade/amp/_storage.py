@@ -25,8 +25,11 @@ def import_units(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     by_base: dict[int, list[torch.Tensor]] = {}
     bases: dict[int, torch.Tensor] = {}
     for tensor in tensors:
-        base = tensor._base if tensor._is_view() else None
-        if base is not None and _is_flat(base) and tensor.is_contiguous():
+        if not tensor._is_view():  # a tensor of its own (fresh gradients after zero_grad())
+            units.append(in_memory_order(tensor))
+            continue
+        base = tensor._base
+        if _is_flat(base) and tensor.is_contiguous():
             by_base.setdefault(id(base), []).append(tensor)
             bases[id(base)] = base
         else:

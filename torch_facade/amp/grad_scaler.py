@@ -68,6 +68,8 @@ class _Decision:
     scalars: _bridge.StepScalars | None = None
     # Optimizer steps the core counted on (the known optimizers at the decision).
     expected_steps: int = 0
+    # The torch device of the gradients read (None when there were none).
+    device: torch.device | None = None
     # Optimizers (by id) whose gradients the facade unscaled in place.
     unscaled: set[int] = dataclasses.field(default_factory=set)
     # Optimizers (by id) whose still-scaled gradients went to a fused kernel, which unscales
@@ -286,6 +288,9 @@ class GradScaler:
         self._discovering = True
         self._reached: list[torch.Tensor] = []
         self._warned_stall = False
+        # Caches of per-decision bookkeeping, each checked against what it depends on.
+        self._participants_cache: tuple[tuple[Any, ...], list[torch.Tensor]] | None = None
+        self._all_stateful: dict[int, tuple[int, int, int]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -293,9 +298,16 @@ class GradScaler:
         self,
         state: amp_core.LossScaleState,
         scalars: _bridge.StepScalars | None = None,
+        placed_for: torch.device | None = None,
     ) -> None:
-        """Adopts ``state``; ``scalars`` (from the core call that produced it) spare two exports."""
+        """Adopts ``state``; ``scalars`` (from the core call that produced it) spare two exports.
+
+        ``placed_for``: the torch device whose JAX device ``state`` is known to be on (the
+        gradients' device of the decision that produced it), so that the next decision on that
+        device need not look.
+        """
         self._state = state
+        self._placed_for = placed_for
         if scalars is None:
             self._scale_t = _bridge.to_torch(state.loss_scale)
             self._inv_scale_t = _bridge.to_torch(_bridge.inverse_scale(state))
@@ -563,11 +575,12 @@ class GradScaler:
             return
         assert decision.outputs is not None
         stepped = sum(stage is _Stage.STEPPED for stage in self._stages.values())
+        state = decision.outputs.next_state
         if stepped == decision.expected_steps:
-            self._set_state(decision.outputs.next_state, decision.scalars)
+            self._set_state(state, decision.scalars, placed_for=decision.device)
         else:  # an optimizer joined late, or one known optimizer did not step
-            state = decision.outputs.next_state
-            self._set_state(_bridge.recount_skipped_steps(decision.state_before, state, stepped))
+            state = _bridge.recount_skipped_steps(decision.state_before, state, stepped)
+            self._set_state(state, placed_for=decision.device)
         decision.scale_updated = True
 
     def update(self, new_scale: Any = None) -> None:
@@ -705,7 +718,19 @@ class GradScaler:
             decision.join(optimizer)
 
     def _participants(self) -> list[torch.Tensor]:
-        """Every known optimizer's parameters, then (first iteration) those the losses reach."""
+        """Every known optimizer's parameters, then (first iteration) those the losses reach.
+
+        Cached while the optimizers and their param groups' lists stay the same ones, of the
+        same lengths (``add_param_group`` or a replaced ``params`` list looks again).
+        """
+        key = tuple(
+            (id(group["params"]), len(group["params"]))
+            for optimizer in self._optimizers
+            for group in optimizer.param_groups
+        )
+        cached = self._participants_cache
+        if cached is not None and cached[0] == key and not self._reached:
+            return cached[1]
         params = [p for o in self._optimizers for p in _params(o)]
         seen = {id(p) for p in params}
         if len(seen) != len(params):
@@ -713,6 +738,8 @@ class GradScaler:
                 "a parameter appears twice among the optimizers known to this GradScaler; each "
                 "parameter must belong to one optimizer and one param group"
             )
+        if not self._reached:
+            self._participants_cache = (key, params)
         for param in self._reached:
             if id(param) not in seen:
                 seen.add(id(param))
@@ -735,10 +762,8 @@ class GradScaler:
         config = self._config if clip_norm is None else _with_clip_norm(self._config, clip_norm)
         grads = _gradients.read(self._participants())
         self._check_meshes(grads)
-        if grads.device is not None:
-            placed = _bridge.place_state(self._state, grads.device)
-            if placed is not self._state:
-                self._set_state(placed)
+        if grads.device is not None and grads.device != self._placed_for:
+            self._set_state(_bridge.place_state(self._state, grads.device), placed_for=grads.device)
         state, steps = self._state, len(self._optimizers)
         collective = _distributed.collective(self._process_group)
         if collective is None:
@@ -765,6 +790,7 @@ class GradScaler:
             outputs=out,
             scalars=scalars,
             expected_steps=steps,
+            device=grads.device,
         )
         return self._decision
 
@@ -799,14 +825,34 @@ class GradScaler:
             return False
         if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
             return False
+        return self._has_state_for_gradients(optimizer)
+
+    def _has_state_for_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every parameter of ``optimizer`` with a gradient has optimizer state.
+
+        Once every parameter (of the groups that keep state) has state, that is remembered while
+        the state dict stays the same object with as many entries and the optimizer has as
+        many parameters: a step that creates state, ``load_state_dict`` or ``add_param_group``
+        looks again.
+        """
+        state = optimizer.state
+        params = sum(len(group["params"]) for group in optimizer.param_groups)
+        key = (id(state), len(state), params)
+        if self._all_stateful.get(id(optimizer)) == key:
+            return True
         # By id: hashing a tensor key goes through Python (``Tensor.__hash__``), once per param.
-        with_state = {id(param) for param, state in optimizer.state.items() if state}
+        with_state = {id(param) for param, entry in state.items() if entry}
+        every = True
         for group in optimizer.param_groups:
             if isinstance(optimizer, torch.optim.SGD) and not group.get("momentum"):
                 continue  # stateless
             for param in group["params"]:
-                if param.grad is not None and id(param) not in with_state:
-                    return False
+                if id(param) not in with_state:
+                    every = False
+                    if param.grad is not None:
+                        return False
+        if every:
+            self._all_stateful[id(optimizer)] = key
         return True
 
     def _fused_step(
