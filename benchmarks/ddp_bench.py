@@ -122,7 +122,13 @@ def _rank_main(rank: int, settings: DdpSettings, port: int, out: str) -> None:
         counter = CompileCounter()
         with counter.listening():
             group = whole_bench.run_group(
-                workload, OPTIMIZER, SET_TO_NONE, plan, counter, wrap=_ddp
+                workload,
+                OPTIMIZER,
+                SET_TO_NONE,
+                plan,
+                counter,
+                wrap=_ddp,
+                variants=whole_bench.VARIANTS,
             )
         if rank == 0:
             Path(out).write_text(json.dumps(_group_to_json(group, workload)))

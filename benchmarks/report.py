@@ -137,6 +137,8 @@ def _comparison_table(rows: list[dict[str, Any]], with_set_to_none: bool) -> lis
         "torch overhead",
         "facade overhead",
     ]
+    with_floor = any("floor_overhead_ms" in r for r in rows)
+    header += ["XLA-read floor overhead"] if with_floor else []
     body = []
     for r in rows:
         line = [r["size"], r["optimizer"], _yes(r["clip"])]
@@ -152,9 +154,11 @@ def _comparison_table(rows: list[dict[str, Any]], with_set_to_none: bool) -> lis
                 "facade_overhead_ms",
             )
         ]
+        if with_floor:
+            line.append(_num(r.get("floor_overhead_ms", {}).get("median")))
         body.append(line)
-    n_left = len(header) - 7
-    return _table(header, body, ["l"] * n_left + ["r"] * 7)
+    n_right = 7 + with_floor
+    return _table(header, body, ["l"] * (len(header) - n_right) + ["r"] * n_right)
 
 
 def _overflow_note(rows: list[dict[str, Any]]) -> str:
@@ -210,7 +214,12 @@ def _whole_section(results: dict[str, Any], number: int) -> list[str]:
         "`set_to_none=True` is torch's default: backward makes fresh gradient tensors every "
         "iteration. Loss scale 1 + 2^-23 (no value moves, no overflow), learning rate "
         f"{meta.get('learning_rate')}. Overhead: iteration minus the bare iteration of the same "
-        "round. Ratios: median [min, max] over rounds of the per-round ratio; other cells: "
+        "round. XLA-read floor: the least any design that reads the gradients with XLA adds to "
+        "the bare loop (import every gradient through DLPack, one jitted sum of squares, then a "
+        "non-fused optimizer's gradients multiplied in place or a fused one given `grad_scale` "
+        "and `found_inf`; no decision logic): the facade's overhead minus it is what its own "
+        "decision costs; it is the same with or without clipping, which needs no other pass. "
+        "Ratios: median [min, max] over rounds of the per-round ratio; other cells: "
         f"medians in ms. Iterations per round: {_iters(results, 'whole')}.",
         "",
         _overflow_note(rows),

@@ -149,6 +149,14 @@ def _torch_rows(size: str, group: torch_bench.TorchGroup) -> list[dict[str, Any]
 def _whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]]:
     """Rows of a whole-iteration group; ``step_ratio`` is the ratio of whole iterations."""
     rows = []
+    floor = group.timings.get(whole_bench.FLOOR)
+    floor_cells = {}
+    if floor is not None:
+        bare_r = group.timings["bare"].rounds
+        floor_cells = {
+            "floor_ms": _stats(_ms(floor.rounds)),
+            "floor_overhead_ms": _stats(_ms(per_round(difference, floor.rounds, bare_r))),
+        }
     for clip in (False, True):
         pair = _scaler_pair(group.timings, clip)
         suffix = "+clip" if clip else ""
@@ -158,6 +166,7 @@ def _whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]
                 "optimizer": group.optimizer,
                 "set_to_none": group.set_to_none,
                 **pair,
+                **floor_cells,
                 "torch_skipped_steps": group.skipped_steps["torch" + suffix],
                 "facade_skipped_steps": group.skipped_steps["facade" + suffix],
             }

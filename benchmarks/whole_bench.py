@@ -11,7 +11,14 @@ Every timed call is one iteration of the loop users run, on a GPT-2-like model
     scaler.update()
 
 The bare variant runs ``zero_grad``, ``loss.backward()`` and ``optimizer.step()`` without a scaler;
-a scaler's overhead is its iteration time minus the bare one of the same round. Each variant trains
+a scaler's overhead is its iteration time minus the bare one of the same round.
+
+The floor variant (:data:`FLOOR`, single process only) is the least any design that reads the
+gradients with XLA must add to the bare loop: import every gradient through DLPack as the facade
+does, one jitted sum of squares over them (no decision, no state, no Python bookkeeping), then
+what torch must still do to the gradients: a non-fused optimizer's gradients multiplied in place
+(``torch._foreach_mul_``), a fused one handed ``grad_scale`` and ``found_inf`` tensors. The
+facade's overhead minus the floor's is what its own decision logic costs. Each variant trains
 its own copy of one model; the loss scale is about 1 and the learning rate tiny, so every variant
 sees the same gradients on every iteration and no step overflows (checked after timing).
 """
@@ -21,8 +28,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import torch
 from torch import nn
 
@@ -30,6 +39,13 @@ import torch_facade as cstorch
 from benchmarks.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 from benchmarks.torch_bench import LOSS_SCALE, NEVER, OPTIMIZERS, VARIANTS
+from torch_facade.amp import _bridge
+
+FLOOR = "xla floor"
+"""The floor variant's name (see the module docstring)."""
+
+WHOLE_VARIANTS = (*VARIANTS, FLOOR)
+"""The variants of a single-process group; the DDP section runs :data:`VARIANTS`."""
 
 BATCH = 1
 """Sequences per iteration (keeps an ``M`` iteration to a few hundred ms on 2 cores)."""
@@ -124,8 +140,8 @@ class TrainLoop:
         workload: Workload,
         wrap: Callable[[nn.Module], nn.Module] = lambda module: module,
     ) -> None:
-        if name not in VARIANTS:
-            raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
+        if name not in WHOLE_VARIANTS:
+            raise ValueError(f"unknown variant {name!r}; expected one of {WHOLE_VARIANTS}")
         module = copy.deepcopy(workload.model)
         self.params = list(module.parameters())
         self.model = wrap(module)
@@ -140,6 +156,7 @@ class TrainLoop:
             "torch+clip": self._torch_clip,
             "facade": self._facade,
             "facade+clip": self._facade,
+            FLOOR: self._floor,
         }
         self.step: Callable[[], None] = steps[name]
 
@@ -171,6 +188,23 @@ class TrainLoop:
         self.facade.step(self.optimizer)
         self.facade.update()
 
+    def _floor(self) -> None:
+        self._zero_grad_and_loss().backward()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        _sum_of_squares(_bridge.import_tensors(grads)).block_until_ready()
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            self.optimizer.grad_scale = _ONE  # type: ignore[attr-defined]
+            self.optimizer.found_inf = _ZERO  # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale  # type: ignore[attr-defined]
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
+        else:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, _ONE)
+            self.optimizer.step()
+
     def skipped_steps(self) -> int:
         """Steps skipped for an overflow so far (0 for the bare loop).
 
@@ -183,6 +217,16 @@ class TrainLoop:
         if self.torch_scaler is not None:
             return round(math.log2(LOSS_SCALE / self.torch_scaler.get_scale()))
         return 0
+
+
+_ONE = torch.ones(())
+_ZERO = torch.zeros(())
+
+
+@jax.jit
+def _sum_of_squares(grads: tuple[jax.Array, ...]) -> jax.Array:
+    """The floor's read: one float32 sum of squares over every gradient."""
+    return sum((jnp.sum(jnp.square(g)) for g in grads), jnp.zeros((), jnp.float32))
 
 
 def _subnormals(tensors: list[torch.Tensor]) -> int:
@@ -246,8 +290,9 @@ def run_group(
     counter: CompileCounter,
     on_round: Callable[[], object] = lambda: None,
     wrap: Callable[[nn.Module], nn.Module] = lambda module: module,
+    variants: Sequence[str] = WHOLE_VARIANTS,
 ) -> WholeGroup:
-    """Measures the five variants of one optimizer and ``zero_grad`` setting, interleaved.
+    """Measures the variants of one optimizer and ``zero_grad`` setting, interleaved.
 
     Args:
         workload: the size's model and tokens.
@@ -257,6 +302,7 @@ def run_group(
         counter: a listening compile counter.
         on_round: progress callback, once per round.
         wrap: applied to every variant's model copy (e.g. ``DistributedDataParallel``).
+        variants: the variant names to measure.
     """
     loops: dict[str, TrainLoop] = {}
 
@@ -264,6 +310,6 @@ def run_group(
         loops[name] = TrainLoop(name, optimizer, set_to_none, workload, wrap)
         return Variant(name, loops[name].step)
 
-    first, timings = measure_group(VARIANTS, make, plan, counter, on_round)
+    first, timings = measure_group(variants, make, plan, counter, on_round)
     skipped = {name: loop.skipped_steps() for name, loop in loops.items()}
     return WholeGroup(optimizer, set_to_none, first, timings, skipped)

@@ -92,7 +92,7 @@ def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
         {("bandwidth", "stream", v) for v in bandwidth.VARIANTS}
         | {("torch", o, v) for o in torch_bench.OPTIMIZERS for v in torch_bench.VARIANTS}
         | {("jax", "optax", v) for v in jax_bench.VARIANTS}
-        | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.VARIANTS}
+        | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.WHOLE_VARIANTS}
         | {("ddp", DDP_GROUP, v) for v in whole_bench.VARIANTS}
     )
     cases = results["cases"]
@@ -170,6 +170,10 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     _assert_whole_rows(
         results["whole"], {(o, s) for o in torch_bench.OPTIMIZERS for s in (True, False)}
     )
+    for row in results["whole"]:  # the single-process rows carry the XLA-read floor
+        _assert_stats(row["floor_ms"])
+        _assert_stats(row["floor_overhead_ms"])
+    assert "XLA-read floor overhead" in report.markdown(results)
     ddp = results["ddp"]
     assert ddp["error"] is None
     assert (ddp["size"], ddp["world_size"], ddp["tensors"]) == ("S", 2, S_TENSORS)

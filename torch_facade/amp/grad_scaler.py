@@ -90,7 +90,8 @@ class _Decision:
     def host_isfinite(self) -> bool:
         """``isfinite`` as a Python bool: a host synchronisation, done at most once."""
         if self._host_isfinite is None:
-            self._host_isfinite = self.outputs is None or bool(self.outputs.isfinite)
+            # amp_core's found_inf, already a torch view: a cheaper read than the JAX flag's.
+            self._host_isfinite = self.scalars is None or not self.scalars.found_inf.item()
         return self._host_isfinite
 
     def join(self, optimizer: torch.optim.Optimizer) -> None:
