@@ -163,3 +163,46 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
             scaler.step(optimizer)
         scaler.update()
     assert crossings == {"to_jax": 0, "to_torch": steps, "import_tensors": steps}
+
+
+# ------------------------------------------------------------- the DLPack crossings themselves
+
+
+def test_cpu_import_and_export_share_memory_and_values():
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    (array,) = _bridge.import_tensors([tensor])
+    assert array.unsafe_buffer_pointer() == tensor.data_ptr()
+    assert array.shape == (3, 4) and float(array.sum()) == float(tensor.sum())
+    exported = _bridge.to_torch(array * 2)
+    assert exported.dtype == torch.float32 and exported.shape == (3, 4)
+    assert torch.equal(exported, tensor * 2)
+    back = jax.numpy.arange(5, dtype=jax.numpy.int32)
+    assert _bridge.to_torch(back).data_ptr() == back.unsafe_buffer_pointer()
+
+
+def test_export_under_inference_mode_is_a_normal_tensor():
+    with torch.inference_mode():
+        exported = _bridge.to_torch(jax.numpy.ones(3))
+    assert not exported.is_inference()
+    assert torch.equal(exported, torch.ones(3))
+
+
+def test_crossings_fall_back_to_the_public_api(monkeypatch):
+    """If jaxlib's lower-level DLPack functions fail their self-check, the public API is used."""
+    from jax._src.lib import _jax as jaxlib_ext
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("changed in this jaxlib")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(jaxlib_ext, "dlpack_managed_tensor_to_buffer", broken)
+        patched.setattr(jaxlib_ext, "buffer_to_dlpack_managed_tensor", broken)
+        importer, exporter = _bridge._cpu_importer(), _bridge._cpu_exporter()
+    assert importer is _bridge._public_import
+    assert exporter is None
+    monkeypatch.setattr(_bridge, "_fast_cpu_import", lambda: importer)
+    monkeypatch.setattr(_bridge, "_fast_cpu_export", lambda: exporter)
+    tensor = torch.arange(16, dtype=torch.float32)
+    (array,) = _bridge.import_tensors([tensor])
+    assert array.unsafe_buffer_pointer() == tensor.data_ptr()
+    assert torch.equal(_bridge.to_torch(array + 1), tensor + 1)

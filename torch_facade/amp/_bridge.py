@@ -92,8 +92,54 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     Always a normal tensor, even when called under ``torch.inference_mode()``: the scaler keeps
     some of these (its scale) and a later ``scale(loss)`` saves them for backward.
     """
-    with torch.inference_mode(False):
-        return torch.from_dlpack(array)
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return _export(array)
+    return _export(array)
+
+
+def _export(array: jax.Array) -> torch.Tensor:
+    exporter = _fast_cpu_export()
+    if exporter is not None and array.device.platform == "cpu":
+        return exporter(array)
+    return torch.from_dlpack(array)  # orders the read after JAX's work on the device's stream
+
+
+def _cpu_exporter() -> Any:
+    """The lower-level DLPack export under ``jax.Array.__dlpack__``, for CPU arrays, or None.
+
+    ``torch.from_dlpack`` goes through ``__dlpack__``'s stream and version handling (about 10 us
+    a call warm, 110 us right after a backward pass); the jaxlib call below it about 1.5 us
+    warm. It is a private jaxlib function, so it is used only after a self-check on this
+    jaxlib (same memory, same values).
+    """
+    try:
+        from jax._src.lib import _jax as jaxlib_ext
+
+        to_capsule = jaxlib_ext.buffer_to_dlpack_managed_tensor
+        from_capsule = torch.utils.dlpack.from_dlpack
+
+        def exporter(array: jax.Array) -> torch.Tensor:
+            return from_capsule(to_capsule(array))
+
+        probe = jnp.arange(16, dtype=jnp.float32)
+        tensor = exporter(probe)
+        if (
+            isinstance(tensor, torch.Tensor)
+            and tensor.dtype == torch.float32
+            and tensor.shape == (16,)
+            and tensor.data_ptr() == probe.unsafe_buffer_pointer()
+            and float(tensor.sum()) == 120.0
+        ):
+            return exporter
+    except Exception:
+        pass
+    return None
+
+
+@functools.cache
+def _fast_cpu_export() -> Any:
+    return _cpu_exporter()
 
 
 def place_state(state: amp_core.LossScaleState, torch_device: torch.device) -> Any:
