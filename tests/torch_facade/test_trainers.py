@@ -387,3 +387,26 @@ def test_accelerate_with_the_facade_scaler_matches_torch_scaler(tmp_path: Path):
     assert restored_calls == {"load_state_dict"}
     assert float(restored.get_scale()) == 128.0
     assert int(restored.get_num_skipped_steps()) == 1
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerate_fsdp2_load_state_path_restores_the_scaler(tmp_path: Path, monkeypatch):
+    """accelerate's FSDP2 ``load_state`` loads the scaler first and then calls torch's private
+    ``_lazy_init_scale_growth_tracker(scaler._device)``. FSDP2 needs a GPU here, so the branch
+    is taken by reporting FSDP2; the scaler calls are accelerate's own, unchanged."""
+    scaler = facade_scaler(init_scale=2.0**8)
+    accelerate_run(scaler, frozenset({1}), state_dir=tmp_path)
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    restored = facade_scaler()
+    restored_calls = record_calls(restored)
+    accelerator = accelerator_with(restored)
+    accelerator.prepare(torch.optim.SGD(make_net().parameters(), lr=0.1))
+    monkeypatch.setattr(Accelerator, "is_fsdp2", property(lambda self: True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*weights_only.*")
+        accelerator.load_state(tmp_path)
+    assert restored_calls == {"load_state_dict"}
+    assert restored._device == "cpu"
+    assert float(restored.get_scale()) == 128.0
+    assert int(restored.get_num_skipped_steps()) == 1

@@ -406,6 +406,23 @@ class GradScaler:
         state = amp_core.LossScaleState(*pickled["state"])
         self._set_state(jax.device_put(state, jax.devices()[0]))
 
+    # ------------------------------------- torch.amp.GradScaler internals that trainers call
+
+    @property
+    def _device(self) -> str:
+        """The device type of the scale, as ``torch.amp.GradScaler._device``.
+
+        accelerate reads it when it loads an FSDP2 checkpoint (with
+        :meth:`_lazy_init_scale_growth_tracker`).
+        """
+        return self._scale_t.device.type
+
+    def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
+        """A no-op: this scaler's state exists from construction (torch's creates it lazily).
+
+        accelerate calls it after ``load_state_dict`` when it loads an FSDP2 checkpoint.
+        """
+
     # --------------------------------------------------------------- accessors
 
     def is_enabled(self) -> bool:
