@@ -47,23 +47,36 @@ def _cpu_importer() -> Any:
         to_dlpack = torch.utils.dlpack.to_dlpack
         cpu = jax.devices("cpu")[0]
         kind = int(torch.utils.dlpack.DLDeviceType.kDLCPU)
-
-        def importer(tensor: torch.Tensor) -> jax.Array:
-            return convert(to_dlpack(tensor), cpu, None, None, kind)
-
-        probe = torch.arange(16, dtype=torch.float32)
-        array = importer(probe)
-        if (
-            isinstance(array, jax.Array)
-            and array.dtype == jnp.float32
-            and array.shape == (16,)
-            and array.unsafe_buffer_pointer() == probe.data_ptr()
-            and float(jnp.sum(array)) == 120.0
-        ):
-            return importer
     except Exception:
-        pass
-    return _public_import
+        return _public_import
+
+    def importer(tensor: torch.Tensor) -> jax.Array:
+        return convert(to_dlpack(tensor), cpu, None, None, kind)
+
+    probe = torch.arange(16, dtype=torch.float32)
+    return importer if _views_its_input(importer, probe, jax.Array) else _public_import
+
+
+def _views_its_input(crossing: Any, probe: Any, result_type: type) -> bool:
+    """Whether ``crossing(probe)`` (``probe``: float32 0..15) gives a ``result_type`` over the
+    same memory with the same values: the self-check of a private jaxlib crossing."""
+    try:
+        result = crossing(probe)
+        return (
+            isinstance(result, result_type)
+            and tuple(result.shape) == (16,)
+            and str(result.dtype).endswith("float32")
+            and _address(result) == _address(probe)
+            and float(result.sum()) == 120.0
+        )
+    except Exception:
+        return False
+
+
+def _address(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    return value.unsafe_buffer_pointer()
 
 
 @functools.cache
@@ -118,23 +131,14 @@ def _cpu_exporter() -> Any:
 
         to_capsule = jaxlib_ext.buffer_to_dlpack_managed_tensor
         from_capsule = torch.utils.dlpack.from_dlpack
-
-        def exporter(array: jax.Array) -> torch.Tensor:
-            return from_capsule(to_capsule(array))
-
-        probe = jnp.arange(16, dtype=jnp.float32)
-        tensor = exporter(probe)
-        if (
-            isinstance(tensor, torch.Tensor)
-            and tensor.dtype == torch.float32
-            and tensor.shape == (16,)
-            and tensor.data_ptr() == probe.unsafe_buffer_pointer()
-            and float(tensor.sum()) == 120.0
-        ):
-            return exporter
     except Exception:
-        pass
-    return None
+        return None
+
+    def exporter(array: jax.Array) -> torch.Tensor:
+        return from_capsule(to_capsule(array))
+
+    probe = jnp.arange(16, dtype=jnp.float32)
+    return exporter if _views_its_input(exporter, probe, torch.Tensor) else None
 
 
 @functools.cache
