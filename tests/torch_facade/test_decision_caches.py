@@ -10,6 +10,8 @@ state for a parameter that had none (oracle: snapshots taken before the step).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from facade_helpers import DLS, INF, TinyNet, deep_equal, loss_of, one_step, optimizer_snapshot
@@ -141,3 +143,29 @@ def test_loaded_state_is_used_from_the_next_decision() -> None:
     state = scaler.state_dict()
     assert float(state["loss_scale"]) == 2.0**3  # halved from the loaded scale
     assert int(state["num_skipped_steps"]) == 6
+
+
+def test_fused_skip_after_a_replaced_params_list_creates_no_state() -> None:
+    model = TinyNet()
+    optimizer = _fused_adam(model)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _train(scaler, model, optimizer)
+    # As many parameters and state entries as before, but fc1.bias (which keeps its state
+    # entry) swapped for a parameter that has no state.
+    extra = torch.nn.Parameter(torch.ones(3))
+    group = optimizer.param_groups[0]
+    group["params"] = [extra if p is model.fc1.bias else p for p in group["params"]]
+
+    optimizer.zero_grad()
+    scaler.scale(_extra_loss(model, extra, 3)).backward()
+    model.fc1.weight.grad[0, 0] = INF
+    snapshot = {id(k): copy.deepcopy(v) for k, v in optimizer.state.items()}
+    params = [p.detach().clone() for p in group["params"]]
+    scaler.step(optimizer)
+    scaler.update()
+
+    assert int(scaler.get_num_skipped_steps()) == 1
+    assert not optimizer.state.get(extra)
+    assert deep_equal(snapshot, {id(k): v for k, v in optimizer.state.items()})
+    for before, param in zip(params, group["params"], strict=True):
+        assert torch.equal(before, param)

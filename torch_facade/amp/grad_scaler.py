@@ -173,6 +173,16 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _groups_key(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[int, int], ...]:
+    """Identity and length of every param group's ``params`` list: what per-decision caches
+    check, so that ``add_param_group`` or a replaced ``params`` list looks again."""
+    return tuple(
+        (id(group["params"]), len(group["params"]))
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+    )
+
+
 class GradScaler:
     """Facilitates mixed precision training with static or dynamic loss scaling (DLS, DLS + GCC).
 
@@ -291,7 +301,7 @@ class GradScaler:
         self._warned_stall = False
         # Caches of per-decision bookkeeping, each checked against what it depends on.
         self._participants_cache: tuple[tuple[Any, ...], list[torch.Tensor]] | None = None
-        self._all_stateful: dict[int, tuple[int, int, int]] = {}
+        self._all_stateful: dict[int, tuple[Any, ...]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -741,11 +751,7 @@ class GradScaler:
         Cached while the optimizers and their param groups' lists stay the same ones, of the
         same lengths (``add_param_group`` or a replaced ``params`` list looks again).
         """
-        key = tuple(
-            (id(group["params"]), len(group["params"]))
-            for optimizer in self._optimizers
-            for group in optimizer.param_groups
-        )
+        key = _groups_key(self._optimizers)
         cached = self._participants_cache
         if cached is not None and cached[0] == key and not self._reached:
             return cached[1]
@@ -849,13 +855,12 @@ class GradScaler:
         """Whether every parameter of ``optimizer`` with a gradient has optimizer state.
 
         Once every parameter (of the groups that keep state) has state, that is remembered while
-        the state dict stays the same object with as many entries and the optimizer has as
-        many parameters: a step that creates state, ``load_state_dict`` or ``add_param_group``
-        looks again.
+        the state dict stays the same object with as many entries and the param groups'
+        ``params`` lists stay the same: a step that creates state, ``load_state_dict``,
+        ``add_param_group`` or a replaced ``params`` list looks again.
         """
         state = optimizer.state
-        params = sum(len(group["params"]) for group in optimizer.param_groups)
-        key = (id(state), len(state), params)
+        key = (id(state), len(state), _groups_key([optimizer]))
         if self._all_stateful.get(id(optimizer)) == key:
             return True
         # By id: hashing a tensor key goes through Python (``Tensor.__hash__``), once per param.
