@@ -2,10 +2,19 @@
 
 Configuration is a frozen dataclass (:class:`StaticLossScale`, :class:`DynamicLossScale`), state
 a NamedTuple of arrays (:class:`LossScaleState`), and every operation a pure function of them.
+
+The integrations with flax live in their own modules, imported on first use so that
+``import amp_core`` needs neither flax nor equinox: :mod:`amp_core.flax_nnx`
+(``LossScaledOptimizer``) and :mod:`amp_core.flax_linen` (``LossScaledTrainState``). equinox
+models need no module of their own: :func:`value_and_grad` and :func:`apply_scaled_gradients`
+pass their non-array leaves through.
 """
 
+import importlib
+from typing import Any
+
 from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale, make_config
-from amp_core.diagnostics import LeafReport, nonfinite_report
+from amp_core.diagnostics import LeafReport, nonfinite_report, scaler_metrics
 from amp_core.scaling import (
     CLIP_EPSILON,
     GradCheck,
@@ -32,6 +41,7 @@ from amp_core.state import (
     LossScaleState,
     from_state_dict,
     init,
+    init_on_host,
     state_dict_keys,
     to_state_dict,
 )
@@ -65,6 +75,7 @@ __all__ = [
     "fused_optimizer_args",
     "global_norm_of_unscaled",
     "init",
+    "init_on_host",
     "inverse_scale",
     "is_stalled",
     "loss_scale_state",
@@ -72,6 +83,7 @@ __all__ = [
     "nonfinite_report",
     "recount_skipped_steps",
     "scale_loss",
+    "scaler_metrics",
     "select_if_finite",
     "state_dict_keys",
     "sum_of_unscaled_squares",
@@ -81,3 +93,12 @@ __all__ = [
     "value_and_grad",
     "with_loss_scaling",
 ]
+
+_LAZY_SUBMODULES = ("flax_linen", "flax_nnx")
+
+
+def __getattr__(name: str) -> Any:
+    """``amp_core.flax_nnx`` and ``amp_core.flax_linen``, imported (with flax) on first use."""
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"amp_core.{name}")
+    raise AttributeError(f"module 'amp_core' has no attribute {name!r}")

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from amp_core.config import LossScaleConfig, positive_finite, real_number
 
@@ -55,20 +56,37 @@ def init(config: LossScaleConfig) -> LossScaleState:
         >>> float(state.loss_scale)  # clamped to the float16 max_loss_scale default
         32768.0
     """
+    # Every leaf its own buffer, so that the state can be donated to a jitted step.
+    return jax.tree_util.tree_map(jnp.asarray, init_on_host(config))
+
+
+def init_on_host(config: LossScaleConfig) -> LossScaleState:
+    """The initial state of :func:`init` as NumPy 0-d arrays, without starting a JAX backend.
+
+    For callers that must not initialize JAX's backends yet (on a GPU they claim device memory):
+    the torch facade holds this until its first decision, then puts it on the gradients'
+    device with ``jax.device_put``. Every function here accepts it as a state.
+
+    Example:
+        >>> import amp_core
+        >>> state = amp_core.init_on_host(amp_core.DynamicLossScale())
+        >>> type(state.loss_scale).__name__, float(state.loss_scale)
+        ('ndarray', 32768.0)
+    """
     if config.is_dynamic:
         scale = min(config.max_loss_scale, config.init_scale)
     else:
         scale = config.loss_scale
-    # Every leaf its own buffer, so that the state can be donated to a jitted step.
+    counter = np.dtype(COUNTER_DTYPE)
     return LossScaleState(
-        loss_scale=jnp.full((), scale, jnp.float32),
-        non_clamped_scale=jnp.full((), scale, jnp.float32),
-        steps_since_rescale=jnp.zeros((), COUNTER_DTYPE),
-        overflows_since_rescale=jnp.zeros((), COUNTER_DTYPE),
-        num_skipped_steps=jnp.zeros((), COUNTER_DTYPE),
-        isfinite=jnp.ones((), jnp.bool_),
-        global_norm=jnp.zeros((), jnp.float32),
-        overflows_at_min_scale=jnp.zeros((), COUNTER_DTYPE),
+        loss_scale=np.full((), scale, np.float32),
+        non_clamped_scale=np.full((), scale, np.float32),
+        steps_since_rescale=np.zeros((), counter),
+        overflows_since_rescale=np.zeros((), counter),
+        num_skipped_steps=np.zeros((), counter),
+        isfinite=np.ones((), np.bool_),
+        global_norm=np.zeros((), np.float32),
+        overflows_at_min_scale=np.zeros((), counter),
     )
 
 
@@ -116,7 +134,8 @@ def from_state_dict(
     """Loads the keys present in ``state_dict`` into ``state``; absent keys keep their values.
 
     Values may be Python numbers, numpy or JAX scalars, or 0-d tensors. Loading ``loss_scale``
-    also sets the non-clamped scale to it.
+    also sets the non-clamped scale to it. A state of NumPy arrays (:func:`init_on_host`) stays
+    one: no JAX backend is started.
 
     Raises:
         TypeError: ``state_dict`` is not a mapping, or a value is not a number.
@@ -140,13 +159,14 @@ def from_state_dict(
             f"state_dict has keys {unknown} that a {kind} loss scaler does not have; "
             f"expected a subset of {list(allowed)}"
         )
-    updates: dict[str, jax.Array] = {}
+    array = np.asarray if isinstance(state.loss_scale, np.ndarray) else jnp.asarray
+    updates: dict[str, Any] = {}
     if "loss_scale" in state_dict:
         scale = positive_finite("state_dict['loss_scale']", state_dict["loss_scale"])
-        updates["loss_scale"] = updates["non_clamped_scale"] = jnp.asarray(scale, jnp.float32)
+        updates["loss_scale"] = updates["non_clamped_scale"] = array(scale, np.float32)
     for key in allowed[1:]:
         if key in state_dict:
-            updates[key] = jnp.asarray(_checkpoint_count(key, state_dict[key]), COUNTER_DTYPE)
+            updates[key] = array(_checkpoint_count(key, state_dict[key]), COUNTER_DTYPE)
     return state._replace(**updates)
 
 

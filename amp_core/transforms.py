@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 from jax.extend.core.primitives import jit_p
@@ -19,11 +21,13 @@ class LossScaledState(NamedTuple):
     """Optimizer state of :func:`with_loss_scaling`.
 
     Attributes:
-        loss_scale: the scaler state (read the skip signal from ``loss_scale.isfinite``).
+        scaler: the scaler state (read the skip signal from ``scaler.isfinite``). Named so
+            that no name is taken twice: ``optax.tree_utils.tree_get(opt_state,
+            "loss_scale")`` finds the current scale.
         inner_state: the wrapped transformation's state.
     """
 
-    loss_scale: LossScaleState
+    scaler: LossScaleState
     inner_state: optax.OptState
 
 
@@ -75,7 +79,7 @@ def with_loss_scaling(
         )
 
     def init_fn(params: optax.Params) -> LossScaledState:
-        return LossScaledState(loss_scale=init(config), inner_state=inner.init(params))
+        return LossScaledState(scaler=init(config), inner_state=inner.init(params))
 
     def update_fn(
         updates: optax.Updates,
@@ -83,7 +87,8 @@ def with_loss_scaling(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaledState]:
-        check = check_and_update(config, state.loss_scale, updates)
+        _check_opt_state("state", state)
+        check = check_and_update(config, state.scaler, updates)
         grads = apply_multiplier(updates, check.multiplier)
 
         def inner_update(
@@ -259,7 +264,10 @@ def apply_scaled_gradients(
         config: the loss-scaling configuration.
         grads: gradients of the scaled loss.
         opt_state: a :class:`LossScaledState`, from ``with_loss_scaling(inner, config).init``.
-        params: the parameters.
+        params: the parameters. Leaves whose gradient is ``None`` (an equinox model's
+            activation functions and other non-array leaves, as ``eqx.filter_grad`` and
+            :func:`value_and_grad` give them) pass through unchanged, as with
+            ``eqx.apply_updates``; the inner optimizer sees the parameters that have gradients.
 
     Returns:
         ``(new_params, new_opt_state)``.
@@ -279,12 +287,8 @@ def apply_scaled_gradients(
         >>> params["w"]
         Array([0.8, 0.8, 0.8], dtype=float32)
     """
-    if not isinstance(opt_state, LossScaledState):
-        raise TypeError(
-            "opt_state must be the LossScaledState made by with_loss_scaling(inner, config).init; "
-            f"got {type(opt_state).__name__}"
-        )
-    check = check_and_update(config, opt_state.loss_scale, grads)
+    _check_opt_state("opt_state", opt_state)
+    check = check_and_update(config, opt_state.scaler, grads)
     scaler = check.next_state
 
     def apply(operand: tuple[optax.Params, optax.OptState]) -> tuple[optax.Params, optax.OptState]:
@@ -293,42 +297,139 @@ def apply_scaled_gradients(
         updates, inner_state = inner.update(unscaled, inner_state, old_params)
         return optax.apply_updates(old_params, updates), inner_state
 
-    operand = (params, opt_state.inner_state)
+    operand = (_params_with_gradients(grads, params), opt_state.inner_state)
     if config.is_dynamic:
         new_params, inner_state = jax.lax.cond(check.isfinite, apply, lambda op: op, operand)
     else:  # static scaling never skips
         new_params, inner_state = apply(operand)
-    return new_params, LossScaledState(scaler, inner_state)
+    return _merge_params(new_params, params), LossScaledState(scaler, inner_state)
 
 
-def loss_scale_state(opt_state: Any) -> LossScaleState:
-    """Finds the scaler state inside an optimizer state built with :func:`with_loss_scaling`.
+def _is_none(node: Any) -> bool:
+    return node is None
 
-    Works on the wrapper's own state and on states that nest it (``optax.chain``, ...).
+
+def _params_with_gradients(grads: Any, params: Any) -> Any:
+    """``params`` in the structure of ``grads``: ``None`` wherever a gradient is ``None``."""
+    try:
+        return jax.tree_util.tree_map(
+            lambda g, p: None if g is None else p, grads, params, is_leaf=_is_none
+        )
+    except ValueError as err:
+        raise ValueError(
+            "params must have the structure of grads, with any leaf (an activation function, "
+            "a static field) wherever the gradient is None; got grads "
+            f"{jax.tree_util.tree_structure(grads)} and params "
+            f"{jax.tree_util.tree_structure(params)}"
+        ) from err
+
+
+def _merge_params(new_params: Any, params: Any) -> Any:
+    """The updated leaves of ``new_params``, and ``params``' own wherever ``new_params`` is None."""
+    return jax.tree_util.tree_map(
+        lambda new, old: old if new is None else new, new_params, params, is_leaf=_is_none
+    )
+
+
+def _check_opt_state(name: str, opt_state: Any) -> None:
+    if isinstance(opt_state, LossScaledState):
+        return
+    hint = ""
+    if isinstance(opt_state, Mapping) or (
+        isinstance(opt_state, (list, tuple)) and not hasattr(opt_state, "_fields")
+    ):
+        hint = f" ({_RESTORE_HINT})"
+    raise TypeError(
+        f"{name} must be the LossScaledState made by with_loss_scaling(inner, config).init; "
+        f"got {type(opt_state).__name__}{hint}"
+    )
+
+
+_RESTORE_HINT = (
+    "a checkpoint restored without a target gives plain dicts and lists: restore it with a "
+    "target of the right structure (orbax's restore(path, target), nnx.state of a fresh "
+    "optimizer, eqx.tree_deserialise_leaves(path, like)), or keep the scaler in the checkpoint "
+    "as amp_core.to_state_dict(config, scaler) and load it with amp_core.from_state_dict"
+)
+
+
+def loss_scale_state(source: Any) -> LossScaleState:
+    """Finds the scaler state in an optimizer state, a train state or an optimizer.
+
+    ``source`` may be the state of :func:`with_loss_scaling` or any tree that nests it
+    (``optax.chain``, ``optax.multi_steps``, ...); an object with an ``opt_state`` attribute
+    (flax NNX's ``nnx.Optimizer``, flax linen's ``TrainState``, ...); a
+    :class:`LossScaleState` itself; or a tree restored from a checkpoint without a target, in
+    which the scaler is the one mapping whose keys are :class:`LossScaleState`'s fields.
+    Wrapped leaves (NNX's ``OptArray`` variables) are unwrapped: every field comes back a plain
+    array, so ``bool(state.isfinite)``, ``float(state.loss_scale)``, f-strings and
+    :func:`amp_core.is_stalled` work on it outside ``jit``. Jittable.
+
+    Args:
+        source: where to look.
+
+    Returns:
+        The :class:`LossScaleState`, fields as arrays.
 
     Raises:
-        ValueError: there is no, or more than one, loss-scaled state inside ``opt_state``.
+        ValueError: ``source`` holds no scaler state, or more than one; the message says how
+            to restore a checkpoint so that it holds one.
 
     Example:
         >>> import amp_core, jax.numpy as jnp, optax
         >>> scaled = amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.DynamicLossScale())
         >>> tx = optax.chain(scaled, optax.scale(0.5))  # loss scaling first: it unscales
-        >>> float(amp_core.loss_scale_state(tx.init(jnp.zeros(2))).loss_scale)
-        32768.0
+        >>> scaler = amp_core.loss_scale_state(tx.init(jnp.zeros(2)))
+        >>> f"{scaler.loss_scale:.1f}", bool(scaler.isfinite)
+        ('32768.0', True)
     """
-    found = [
-        node
-        for node in jax.tree_util.tree_leaves(
-            opt_state, is_leaf=lambda node: isinstance(node, LossScaledState)
-        )
-        if isinstance(node, LossScaledState)
-    ]
-    if len(found) != 1:
+    tree = source
+    if not isinstance(source, (tuple, list, Mapping)) and hasattr(source, "opt_state"):
+        tree = source.opt_state
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=_is_scaler_node)
+    typed = [node for node in nodes if isinstance(node, (LossScaledState, LossScaleState))]
+    if len(typed) == 1:
+        found = typed[0]
+        fields = found.scaler if isinstance(found, LossScaledState) else found
+        if all(isinstance(field, jax.Array) for field in fields):
+            return fields
+        return LossScaleState(*(_plain_field(n, v) for n, v in zip(_FIELDS, fields, strict=True)))
+    restored = [node for node in nodes if _is_scaler_mapping(node)]
+    if not typed and len(restored) == 1:
+        return LossScaleState(*(_plain_field(n, restored[0][n]) for n in _FIELDS))
+    if typed:
         raise ValueError(
-            "opt_state must contain exactly one state made by amp_core.with_loss_scaling; "
-            f"found {len(found)}"
+            "the state must contain exactly one state made by amp_core.with_loss_scaling; "
+            f"found {len(typed)} in {type(source).__name__}"
         )
-    return found[0].loss_scale
+    raise ValueError(
+        f"found 0 states made by amp_core.with_loss_scaling in {type(source).__name__}, and "
+        f"{len(restored)} mappings with the keys {list(_FIELDS)} in their place; if it comes "
+        f"from a checkpoint, {_RESTORE_HINT}"
+    )
+
+
+_FIELDS = LossScaleState._fields
+
+
+def _is_scaler_mapping(node: Any) -> bool:
+    return isinstance(node, Mapping) and set(node.keys()) == set(_FIELDS)
+
+
+def _is_scaler_node(node: Any) -> bool:
+    return isinstance(node, (LossScaledState, LossScaleState)) or _is_scaler_mapping(node)
+
+
+def _plain_field(name: str, value: Any) -> Any:
+    """The one array inside ``value`` (an array, or a wrapper such as an NNX Variable)."""
+    leaves = jax.tree_util.tree_leaves(value)
+    if len(leaves) != 1:
+        raise ValueError(
+            f"the scaler field {name!r} must hold one array; got {type(value).__name__} "
+            f"with {len(leaves)} leaves"
+        )
+    leaf = leaves[0]
+    return leaf if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) else jnp.asarray(leaf)
 
 
 def value_and_grad(
@@ -346,14 +447,22 @@ def value_and_grad(
     Apply them only if ``isfinite`` (for example with ``jax.lax.cond``), then advance the scaler
     with :func:`amp_core.update`.
 
+    As with ``eqx.filter_value_and_grad``, the gradient is taken with respect to the floating
+    point JAX and NumPy arrays in the differentiated arguments; every other leaf (an equinox
+    model's activation functions, Python numbers, integer arrays) passes through to ``fun``
+    unchanged and gets a ``None`` gradient. An argument that is one such leaf gets ``None``.
+
     Args:
         fun: the loss function; returns a scalar (or ``(scalar, aux)`` with ``has_aux``).
         config: the loss-scaling configuration.
-        argnums: which arguments of ``fun`` to differentiate.
+        argnums: which positional arguments of ``fun`` to differentiate.
         has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
         ``grad_fn(state, *args, **kwargs) -> (value, grads, isfinite, global_norm)``.
+
+    Raises:
+        ValueError: (when ``grad_fn`` is called) ``argnums`` names a missing argument.
 
     Example:
         >>> import amp_core, jax.numpy as jnp
@@ -362,21 +471,73 @@ def value_and_grad(
         >>> loss, grads, isfinite, norm = grad_fn(amp_core.init(cfg), jnp.array([1.0, 2.0]))
         >>> float(loss), grads, bool(isfinite)
         (5.0, Array([2., 4.], dtype=float32), True)
+        >>> model = {"w": jnp.array([3.0]), "activation": jnp.tanh}  # a non-array leaf
+        >>> fn = amp_core.value_and_grad(lambda m: jnp.sum(m["activation"](m["w"])), cfg)
+        >>> fn(amp_core.init(cfg), model)[1]["activation"] is None
+        True
     """
-
-    def scaled(state: LossScaleState, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
-        out = fun(*args, **kwargs)
-        loss = out[0] if has_aux else out
-        return scale_loss(state, loss), out
-
-    shifted = (argnums + 1) if isinstance(argnums, int) else tuple(a + 1 for a in argnums)
-    grad_of_scaled = jax.grad(scaled, argnums=shifted, has_aux=True)
+    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def grad_fn(
         state: LossScaleState, *args: Any, **kwargs: Any
     ) -> tuple[Any, Any, jax.Array, jax.Array]:
-        scaled_grads, value = grad_of_scaled(state, *args, **kwargs)
+        for position in positions:
+            if not 0 <= position < len(args):
+                raise ValueError(
+                    f"argnums={argnums!r} names positional argument {position}; "
+                    f"fun was given {len(args)}"
+                )
+        splits = [_split_differentiable(args[position]) for position in positions]
+
+        def scaled(state: LossScaleState, *diff_leaves: list[Any]) -> tuple[jax.Array, Any]:
+            full = list(args)
+            for position, split, leaves in zip(positions, splits, diff_leaves, strict=True):
+                full[position] = split.combine(leaves)
+            out = fun(*full, **kwargs)
+            loss = out[0] if has_aux else out
+            return scale_loss(state, loss), out
+
+        grad_of_scaled = jax.grad(scaled, argnums=tuple(range(1, len(positions) + 1)), has_aux=True)
+        leaf_grads, value = grad_of_scaled(state, *(split.diff for split in splits))
+        scaled_grads = tuple(
+            split.unflatten(leaves) for split, leaves in zip(splits, leaf_grads, strict=True)
+        )
+        if isinstance(argnums, int):
+            scaled_grads = scaled_grads[0]
         grads, isfinite, global_norm = unscale_and_check(config, state, scaled_grads)
         return value, grads, isfinite, global_norm
 
     return grad_fn
+
+
+class _Split(NamedTuple):
+    """One argument's leaves, split into those to differentiate and the rest."""
+
+    treedef: Any
+    is_diff: tuple[bool, ...]
+    diff: list[Any]
+    rest: list[Any]
+
+    def combine(self, diff_leaves: list[Any]) -> Any:
+        leaves = [
+            d if m else r for d, r, m in zip(diff_leaves, self.rest, self.is_diff, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def unflatten(self, leaves: list[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _split_differentiable(tree: Any) -> _Split:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    is_diff = tuple(_is_inexact_array(leaf) for leaf in leaves)
+    diff = [leaf if m else None for leaf, m in zip(leaves, is_diff, strict=True)]
+    rest = [None if m else leaf for leaf, m in zip(leaves, is_diff, strict=True)]
+    return _Split(treedef, is_diff, diff, rest)
+
+
+def _is_inexact_array(leaf: Any) -> bool:
+    """A JAX or NumPy array (or scalar) of a floating or complex dtype, as equinox's filter."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        leaf.dtype, jnp.inexact
+    )

@@ -24,6 +24,7 @@ EXPECTED = (
     "01_jax_native_quickstart.ipynb",
     "02_pytorch_facade.ipynb",
     "03_cbfloat16_numerics.ipynb",
+    "04_flax_nnx_float16.ipynb",
 )
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
@@ -38,7 +39,7 @@ def _ids(path: Path) -> str:
     return path.stem
 
 
-def test_the_three_notebooks_exist() -> None:
+def test_the_four_notebooks_exist() -> None:
     assert sorted(p.name for p in NOTEBOOKS) == sorted(EXPECTED)
 
 
