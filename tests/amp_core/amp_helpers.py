@@ -1,10 +1,11 @@
-"""Shared pieces of the amp_core tests: bit-for-bit comparisons of arrays and pytrees."""
+"""Shared pieces of the amp_core tests: bit-for-bit and to-rounding comparisons of pytrees."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 
@@ -23,3 +24,42 @@ def assert_trees_bitwise_equal(actual: Any, expected: Any) -> None:
         jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
     ):
         assert_bitwise_equal(a, e)
+
+
+def eps(dtype: Any) -> float:
+    """The machine epsilon of a floating dtype (numpy's or ml_dtypes'): the spacing at 1.0.
+
+    float32 2**-23 (1.2e-7), float16 2**-10 (9.8e-4), bfloat16 2**-7 (7.8e-3).
+    """
+    return float(ml_dtypes.finfo(dtype).eps)
+
+
+def _is_floating(array: np.ndarray) -> bool:
+    return np.issubdtype(array.dtype, np.floating) or array.dtype == ml_dtypes.bfloat16
+
+
+def assert_trees_close(actual: Any, expected: Any, *, ulps: float) -> None:
+    """Leaf-wise closeness to rounding, in units of each leaf's own precision.
+
+    A floating leaf may differ from ``expected`` by ``ulps * eps(dtype)`` relative to each
+    element, plus as much relative to the leaf's largest magnitude (small elements of a moment
+    estimate suffer cancellation, so a pure relative bound is too tight). The tolerance follows
+    the dtype: 8 ulps are 9.5e-7 in float32 but 7.8e-3 in float16. So a half-precision leaf
+    that one run rounded at other points (XLA:CPU computes float16 natively on CPUs with
+    AVX512-FP16, where a jitted fusion rounds where the eager primitives do not) is held to its
+    own resolution, not to float32's. NaN equals NaN; dtypes, and non-floating leaves, must be
+    equal.
+    """
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+    for ours, theirs in zip(
+        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
+    ):
+        ours, theirs = np.asarray(ours), np.asarray(theirs)
+        assert ours.dtype == theirs.dtype, (ours.dtype, theirs.dtype)
+        if not _is_floating(theirs):
+            np.testing.assert_array_equal(ours, theirs)
+            continue
+        tolerance = ulps * eps(theirs.dtype)
+        ours, theirs = ours.astype(np.float64), theirs.astype(np.float64)  # exact for every leaf
+        atol = tolerance * float(np.nanmax(np.abs(theirs), initial=0.0))  # NaN elements: equal_nan
+        np.testing.assert_allclose(ours, theirs, rtol=tolerance, atol=atol)

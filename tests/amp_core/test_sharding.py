@@ -90,16 +90,17 @@ def test_finite_sharded_grads_give_the_unsharded_norm_and_values(mesh):
     )
     assert_identical_on_every_device(sharded_result.next_state)
 
+    # Below max_gradient_norm nothing is clipped: both paths multiply by the power of two
+    # 2**-12, which is exact, however the norm was summed. So the values agree bit for bit, the
+    # float16 leaf too (a relative 1e-5 was 50 times finer than float16 resolves, and a clip
+    # multiplier that differs by the norm's rounding could move a float16 value by one ulp).
+    assert float(plain_result.global_norm) < CFG.max_gradient_norm
     unscale = jax.jit(functools.partial(amp_core.unscale_and_check, CFG))
     sharded_grads, _, _ = unscale(state, shard(mesh, grads))
     plain_grads, _, _ = unscale(state, {k: jnp.asarray(v) for k, v in grads.items()})
     for key in grads:
         assert sharded_grads[key].dtype == grads[key].dtype
-        np.testing.assert_allclose(
-            np.asarray(sharded_grads[key], np.float32),
-            np.asarray(plain_grads[key], np.float32),
-            rtol=1e-5,
-        )
+        assert np.asarray(sharded_grads[key]).tobytes() == np.asarray(plain_grads[key]).tobytes()
 
 
 def test_optax_wrapper_skips_on_every_shard(mesh):

@@ -103,7 +103,14 @@ def test_gcc_unscale_leaves_unclipped_gradients_and_step_clips_them():
         optimizer.zero_grad()
         scaler.scale(loss_of(model, step)).backward()
         scaler.unscale_(optimizer)
-        assert_tensors_equal(unclipped, grads_with_values(model))
+        if step == 0:  # the same parameters: the same gradients, bit for bit
+            assert_tensors_equal(unclipped, grads_with_values(model))
+        else:
+            # The clip coefficients of step 0 come from two float32 norms, XLA's (one sum of
+            # every square) and torch's (a norm of per-tensor norms), which can differ by an
+            # ulp (they do on AMD EPYC CPUs), so the parameters and then the gradients agree to
+            # float32 rounding only; a clip (a coefficient below 0.6 here) is far outside that.
+            torch.testing.assert_close(grads_with_values(model), unclipped, rtol=1e-6, atol=1e-7)
         scaler.step(optimizer)
         scaler.update()
     torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=1e-6, atol=1e-7)
