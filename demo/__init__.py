@@ -13,7 +13,7 @@ Structure, so that more implementations plug in:
 * :mod:`demo.registry`: path name -> ``run(problem, options) -> list[RunRecord]``.
 * :mod:`demo.jax_path`: the JAX-native path (``amp_core.with_loss_scaling``).
 * :mod:`demo.torch_path`: the same training through the ``cstorch.amp`` facade (torch, Adam,
-  ``GradScaler``), registered as ``"torch"``; its loss-scale trajectory equals the JAX path's.
+  ``GradScaler``), listed as ``"torch"``; its loss-scale trajectory equals the JAX path's.
 * :mod:`demo.report`: table and plot of any list of :class:`RunRecord`.
 * :mod:`demo.cli`: the command line (``--steps``, ``--seed``, ``--out-dir``, ``--path``).
 """

@@ -36,7 +36,6 @@ from tqdm.auto import tqdm
 import amp_core
 from demo.problem import Problem, RunOptions
 from demo.records import RunRecord, diagnostic_extras
-from demo.registry import register_path
 from demo.report import format_scale, overflow_summary
 
 Params = list[dict[str, jax.Array]]
@@ -368,6 +367,3 @@ def run_jax_path(problem: Problem, options: RunOptions) -> list[RunRecord]:
         ``[fp16 + DLS record, float32 record]``.
     """
     return [run_fp16_dls(problem, options), run_fp32(problem, options)]
-
-
-register_path("jax", run_jax_path)

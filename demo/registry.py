@@ -1,13 +1,13 @@
 """Registry of demo paths: a path name maps to a function that trains and returns records.
 
-A path is a function ``run(problem: Problem, options: RunOptions) -> list[RunRecord]``. The JAX
-path registers itself when :mod:`demo.jax_path` is imported. Optional paths (the torch facade)
-live in their own module, listed in :data:`OPTIONAL_PATH_MODULES`; that module calls
-:func:`register_path` at import time, and if importing it fails (for example because
-``torch_facade`` is missing) the path is reported as unavailable and ``--path all`` skips it.
+A path is a function ``run(problem: Problem, options: RunOptions) -> list[RunRecord]`` in a
+module of its own, named in :data:`PATH_RUNNERS` as ``"module:function"``. :func:`load_paths`
+imports them; the path modules do not import this one (no import cycle). An optional path whose
+module fails to import (the torch facade, if ``torch_facade`` is missing) is reported as
+unavailable and ``--path all`` skips it.
 
-To add a path, write a module like :mod:`demo.torch_path` and list it in
-:data:`OPTIONAL_PATH_MODULES`; ``--path``, the table and the plots then need no changes.
+To add a path, write a module like :mod:`demo.torch_path` and list it in :data:`PATH_RUNNERS`
+(or call :func:`register_path`); ``--path``, the table and the plots then need no changes.
 """
 
 from __future__ import annotations
@@ -22,12 +22,18 @@ PathRunner = Callable[[Problem, RunOptions], list[RunRecord]]
 """The signature of a demo path: ``run(problem, options) -> list[RunRecord]``."""
 
 PATHS: dict[str, PathRunner] = {}
-"""The registered paths, in registration order (``--path all`` runs them in this order)."""
+"""The loaded paths, in registration order (``--path all`` runs them in this order)."""
 
-OPTIONAL_PATH_MODULES: dict[str, str] = {"torch": "demo.torch_path"}
-"""Paths that may be missing, and the module whose import registers each."""
+PATH_RUNNERS: dict[str, str] = {
+    "jax": "demo.jax_path:run_jax_path",
+    "torch": "demo.torch_path:run_torch_path",
+}
+"""Every built-in path, as ``"module:function"``."""
 
-KNOWN_PATHS: tuple[str, ...] = ("jax", *OPTIONAL_PATH_MODULES)
+OPTIONAL_PATHS: frozenset[str] = frozenset({"torch"})
+"""Paths that may be missing (their module's import may fail)."""
+
+KNOWN_PATHS: tuple[str, ...] = tuple(PATH_RUNNERS)
 """Every path name the command line accepts."""
 
 
@@ -46,22 +52,25 @@ def register_path(name: str, runner: PathRunner) -> PathRunner:
 
 
 def load_paths() -> dict[str, str]:
-    """Imports the built-in and optional path modules so that they register themselves.
+    """Imports the path modules and registers their runners.
 
     Returns:
-        For every known path that is not available, the reason (an import error message).
-    """
-    import demo.jax_path  # noqa: F401  (registers "jax")
+        For every optional path that is not available, the reason (an import error message).
 
+    Raises:
+        ImportError: a path that is not optional could not be imported.
+    """
     unavailable: dict[str, str] = {}
-    for name, module in OPTIONAL_PATH_MODULES.items():
+    for name, target in PATH_RUNNERS.items():
         if name in PATHS:
             continue
+        module_name, _, function = target.partition(":")
         try:
-            importlib.import_module(module)
+            module = importlib.import_module(module_name)
         except ImportError as err:
+            if name not in OPTIONAL_PATHS:
+                raise
             unavailable[name] = f"{type(err).__name__}: {err}"
             continue
-        if name not in PATHS:
-            unavailable[name] = f"{module} was imported but did not register {name!r}"
+        register_path(name, getattr(module, function))
     return unavailable

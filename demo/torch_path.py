@@ -45,7 +45,6 @@ from tqdm.auto import tqdm
 import torch_facade as cstorch  # an ImportError here marks the path unavailable
 from demo.problem import Problem, RunOptions
 from demo.records import RunRecord, diagnostic_extras
-from demo.registry import register_path
 from demo.report import format_scale
 
 
@@ -294,6 +293,3 @@ def run_torch_path(problem: Problem, options: RunOptions) -> list[RunRecord]:
         return [run_fp16_dls(problem, options), run_fp32(problem, options)]
     finally:
         torch.set_num_threads(threads)
-
-
-register_path("torch", run_torch_path)

@@ -98,7 +98,9 @@ def jax_device_for(torch_device: Any) -> jax.Device:
 
     Returns:
         The JAX CPU device for ``"cpu"``; the local JAX GPU whose hardware id is the CUDA
-        index for ``"cuda"``.
+        index for ``"cuda"`` (torch and JAX number GPUs alike, both after
+        ``CUDA_VISIBLE_DEVICES``). A GPU is matched by position only on a jaxlib that reports
+        no hardware ids.
 
     Raises:
         RuntimeError: JAX has no matching device (for example a CUDA tensor with a CPU-only
@@ -128,14 +130,19 @@ def _jax_device(kind: str, index: int | None) -> jax.Device:
     except RuntimeError:
         raise RuntimeError(
             f"torch device {described!r} has no matching JAX device: this jaxlib has no GPU "
-            f"backend (JAX devices: {_describe(jax.devices())}). Install a CUDA-enabled jax "
-            f"(pip install 'jax[cuda12]') or move the tensors to the CPU."
+            f"backend (JAX devices: {_describe(jax.devices())}). Install jax with the CUDA "
+            f"plugin matching torch's CUDA version (pip install 'cstorch-amp[cuda13]' for "
+            f"torch's default CUDA 13 wheels, 'cstorch-amp[cuda12]' for its cu12 builds) or "
+            f"move the tensors to the CPU."
         ) from None
     wanted = 0 if index is None else index
-    for device in gpus:
-        if getattr(device, "local_hardware_id", None) == wanted:
+    hardware_ids = [getattr(device, "local_hardware_id", None) for device in gpus]
+    for device, hardware_id in zip(gpus, hardware_ids, strict=True):
+        if hardware_id == wanted:
             return device
-    if 0 <= wanted < len(gpus):
+    # Only a jaxlib that reports no hardware ids at all is matched by position; one that reports
+    # them but not this one sees other GPUs (a position would silently pick the wrong one).
+    if all(hardware_id is None for hardware_id in hardware_ids) and 0 <= wanted < len(gpus):
         return gpus[wanted]
     raise RuntimeError(
         f"torch device {described!r} has no matching JAX device: JAX sees the GPUs "

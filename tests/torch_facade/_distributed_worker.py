@@ -210,9 +210,12 @@ class Spies:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Wraps ``_bridge.import_tensors`` and ``Collective.gather`` while active."""
-        from torch_facade.amp import _bridge, _distributed
+        from torch_facade.amp import _bridge, _distributed, _storage
 
         import_tensors, gather = _bridge.import_tensors, _distributed.Collective.gather
+        # These spies pin where torch keeps each gradient; the small ones' packed copy
+        # (_storage.SMALL_GRADIENT) would hide that, so it is off while they watch.
+        small_gradient, _storage.SMALL_GRADIENT = _storage.SMALL_GRADIENT, 0
 
         def spy_import(tensors: Any) -> Any:
             arrays = import_tensors(tensors)
@@ -233,6 +236,7 @@ class Spies:
         finally:
             _bridge.import_tensors = import_tensors
             _distributed.Collective.gather = gather  # type: ignore[method-assign]
+            _storage.SMALL_GRADIENT = small_gradient
 
     def bucket_hook(self, state: Any, bucket: Any) -> Any:
         """A DDP comm hook: records the bucket's buffer, then DDP's default all-reduce."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 from facade_helpers import (
     COMPILE_EVENT,
+    DLS,
     INF,
     NAN,
     TRACE_EVENT,
@@ -16,7 +17,7 @@ from facade_helpers import (
 )
 
 import torch_facade as cstorch
-from torch_facade.amp import _bridge
+from torch_facade.amp import _bridge, _crossing_cpu, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -101,7 +102,10 @@ def test_jax_reads_the_gradients_where_torch_keeps_them(set_to_none, monkeypatch
     """No gradient copy: every array the core reads aliases a ``.grad``, fresh or persistent.
 
     The tensors a user holds stay the parameters' gradients, and see the in-place unscaling.
+    (Every gradient here is small; the packed copy of small ones is tested below, and is off
+    here so that each gradient's own import is seen.)
     """
+    monkeypatch.setattr(_storage, "SMALL_GRADIENT", 0)
     model, half, optimizers, scaler = mixed_setup({"loss_scale": "dynamic", "init_scale": 2.0**8})
     params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     imported: list[list[jax.Array]] = []
@@ -135,6 +139,64 @@ def test_jax_reads_the_gradients_where_torch_keeps_them(set_to_none, monkeypatch
                 torch.testing.assert_close(grad, before / 2.0**8, rtol=0, atol=0)
 
 
+def run_with_a_big_layer(monkeypatch, small_gradient: int):
+    """Four steps of the mixed setup plus a layer with one big weight; per step: the imports'
+    sizes, which imports alias a gradient, the flag, the scale and the norm."""
+    monkeypatch.setattr(_storage, "SMALL_GRADIENT", small_gradient)
+    torch.manual_seed(0)
+    big = torch.nn.Linear(80, 64)  # a 5120-element weight, a 64-element bias
+    model, half, optimizers, scaler = mixed_setup(DLS)
+    optimizers[0].add_param_group({"params": list(big.parameters())})
+    imported: list[list[jax.Array]] = []
+    original = _bridge.import_tensors
+
+    def recording(tensors):
+        arrays = original(tensors)
+        imported.append(list(arrays))
+        return arrays
+
+    monkeypatch.setattr(_bridge, "import_tensors", recording)
+    history = []
+    for step in range(4):
+        loss = loss_of(model, step) + big(torch.ones(2, 80)).square().mean()
+        loss = loss + half(torch.ones(1, 2, dtype=torch.bfloat16)).float().sum()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        if step == 2:
+            model.fc2.bias.grad[0] = INF  # a small float32 gradient
+        grads = [p.grad for o in optimizers for g in o.param_groups for p in g["params"]]
+        pointers = {g.data_ptr(): g.numel() for g in grads if g is not None}
+        imported.clear()
+        scaler.unscale_(optimizers[0])
+        (arrays,) = imported
+        sizes = sorted(a.size for a in arrays)
+        in_place = sorted(pointers.get(a.unsafe_buffer_pointer(), 0) for a in arrays)
+        flag, norm = bool(scaler.get_isfinite()), float(scaler.get_global_norm())
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        history.append((sizes, in_place, flag, float(scaler.get_scale()), norm))
+    return history
+
+
+def test_small_gradients_cross_in_one_packed_copy_per_dtype(monkeypatch):
+    """Gradients of at most SMALL_GRADIENT elements are read through one flat copy per dtype
+    (one import instead of one each); the big weight in place. The decision is the one the
+    gradients' own imports give: the same flags and scales, the norm to float32 rounding."""
+    packed = run_with_a_big_layer(monkeypatch, _storage.SMALL_GRADIENT)
+    apart = run_with_a_big_layer(monkeypatch, 0)
+    float32_small = 12 + 3 + 6 + 2 + 64  # TinyNet's fc1, fc2 and the big layer's bias
+    bfloat16_small = 6 + 3  # the half layer
+    for ours, theirs in zip(packed, apart, strict=True):
+        assert ours[0] == sorted([bfloat16_small, float32_small, 5120])
+        assert ours[1] == [0, 0, 5120]  # only the big weight is read where torch keeps it
+        assert len(theirs[0]) == 8 and theirs[1] == theirs[0]  # each in place
+        assert ours[2:4] == theirs[2:4]
+        assert ours[4] == pytest.approx(theirs[4], rel=1e-6) or not ours[2]
+    assert [flag for _, _, flag, _, _ in packed] == [True, True, False, True]
+
+
 def test_a_steady_step_crosses_dlpack_once(monkeypatch):
     """After warm-up, a step imports its gradients in one batch and exports one array.
 
@@ -144,13 +206,13 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
     model, half, optimizers, scaler = mixed_setup({"loss_scale": "dynamic", "init_scale": 2.0**8})
     for step in range(3):  # warm-up: builds the arena, compiles, creates Adam's state
         mixed_step(model, half, optimizers, scaler, step)
-    crossings = {"to_jax": 0, "to_torch": 0, "import_tensors": 0}
+    crossings = {"to_jax": 0, "to_torch": 0, "import_tensors": 0, "packed_scalars": 0}
     for name in crossings:
         original = getattr(_bridge, name)
 
-        def counted(value, _original=original, _name=name):
+        def counted(*args, _original=original, _name=name):
             crossings[_name] += 1
-            return _original(value)
+            return _original(*args)
 
         monkeypatch.setattr(_bridge, name, counted)
     steps = 6
@@ -162,7 +224,12 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
         for optimizer in optimizers:
             scaler.step(optimizer)
         scaler.update()
-    assert crossings == {"to_jax": 0, "to_torch": steps, "import_tensors": steps}
+    assert crossings == {
+        "to_jax": 0,
+        "to_torch": 0,
+        "import_tensors": steps,
+        "packed_scalars": steps,
+    }
 
 
 # ------------------------------------------------------------- the DLPack crossings themselves
@@ -194,15 +261,28 @@ def test_crossings_fall_back_to_the_public_api(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("changed in this jaxlib")
 
+    cpu = torch.device("cpu")
     with monkeypatch.context() as patched:
         patched.setattr(jaxlib_ext, "dlpack_managed_tensor_to_buffer", broken)
         patched.setattr(jaxlib_ext, "buffer_to_dlpack_managed_tensor", broken)
-        importer, exporter = _bridge._cpu_importer(), _bridge._cpu_exporter()
-    assert importer is _bridge._public_import
-    assert exporter is None
-    monkeypatch.setattr(_bridge, "_fast_cpu_import", lambda: importer)
-    monkeypatch.setattr(_bridge, "_fast_cpu_export", lambda: exporter)
+        assert _crossing_cpu.importer_or_none() is None
+        assert _crossing_cpu.exporter_or_none() is None
+        assert _crossing_cpu.crossing() is None
+        _bridge._chosen_crossing.cache_clear()
+        try:
+            chosen = _bridge.crossing_for(cpu)
+        finally:
+            _bridge._chosen_crossing.cache_clear()
+    assert chosen.name == "public" and chosen.host_is_device
+    monkeypatch.setattr(_bridge, "crossing_for", lambda device: chosen)
     tensor = torch.arange(16, dtype=torch.float32)
     (array,) = _bridge.import_tensors([tensor])
     assert array.unsafe_buffer_pointer() == tensor.data_ptr()
     assert torch.equal(_bridge.to_torch(array + 1), tensor + 1)
+    assert _bridge.crossing_for(cpu) is chosen
+
+
+def test_the_cpu_crossing_is_the_private_one_here():
+    """On this jaxlib both private CPU functions pass their self-check."""
+    chosen = _bridge.crossing_for(torch.device("cpu"))
+    assert chosen.name == "cpu" and chosen.host_is_device

@@ -9,13 +9,25 @@ from torch_facade.amp._amp_state import (
     autocast,
     enable_mixed_precision,
     get_floating_point_dtype,
+    get_floating_point_dtype_str,
     get_half_dtype,
     get_half_dtype_str,
     is_cbfloat16_tensor,
     mixed_precision,
     set_half_dtype,
 )
+from torch_facade.amp.casting import (
+    disable_casts,
+    float_function,
+    half_function,
+    init,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from torch_facade.amp.cbfloat16 import cast_to_cbfloat16, cbfloat16_numerics, round_to_cbfloat16
+from torch_facade.amp.conditional_update import isfinite, setup_optimizer, update_if_finite
 from torch_facade.amp.diagnostics import OverflowReport, scaler_metrics
 from torch_facade.amp.grad_scaler import GradScaler, LossScaleStalledError
 from torch_facade.amp.optimizer_step import optimizer_step
@@ -27,14 +39,26 @@ __all__ = [
     "autocast",
     "cast_to_cbfloat16",
     "cbfloat16_numerics",
+    "disable_casts",
     "enable_mixed_precision",
+    "float_function",
     "get_floating_point_dtype",
+    "get_floating_point_dtype_str",
     "get_half_dtype",
     "get_half_dtype_str",
+    "half_function",
+    "init",
     "is_cbfloat16_tensor",
+    "isfinite",
     "mixed_precision",
     "optimizer_step",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
     "round_to_cbfloat16",
     "scaler_metrics",
     "set_half_dtype",
+    "setup_optimizer",
+    "update_if_finite",
 ]

@@ -23,6 +23,11 @@ _PROXY_DTYPES: dict[str, torch.dtype] = {
 class _AmpState:
     half_dtype: str = DEFAULT_HALF_DTYPE
     enabled: bool = False
+    # How many cstorch.amp.disable_casts() contexts are open (they turn autocast() off).
+    casts_disabled: int = 0
+    # Whether autocast() ran with the cbfloat16 proxy since the last overflow decision or
+    # set_half_dtype() (read and cleared at every decision, for the cbfloat16 notice).
+    proxy_autocast_seen: bool = False
 
 
 _STATE = _AmpState()
@@ -62,11 +67,12 @@ def set_half_dtype(value: str | torch.dtype) -> torch.dtype:
         torch.float16
         >>> cstorch.amp.get_half_dtype_str()
         'cbfloat16'
-        >>> _ = cstorch.amp.set_half_dtype("float16"); cstorch.amp.enable_mixed_precision(False)
+        >>> _ = cstorch.amp.set_half_dtype("float16"); _ = cstorch.amp.enable_mixed_precision(False)
     """
     name = _half_dtype_name(value)
     _STATE.half_dtype = name
     _STATE.enabled = True
+    _STATE.proxy_autocast_seen = False  # a new setting starts a new record (cbfloat16 notice)
     return _PROXY_DTYPES[name]
 
 
@@ -92,21 +98,29 @@ def get_half_dtype_str() -> str:
     return _STATE.half_dtype
 
 
-def enable_mixed_precision(use: bool = True) -> None:
-    """Switches mixed precision on or off (the half dtype is kept).
+def enable_mixed_precision(enable: bool = True) -> bool:
+    """Switches mixed precision on or off (the half dtype is kept), as the reference does.
+
+    Args:
+        enable: ``True`` to enable mixed precision, ``False`` to disable it.
+
+    Returns:
+        The new setting (what :func:`mixed_precision` now returns).
 
     Raises:
-        TypeError: ``use`` is not a bool.
+        TypeError: ``enable`` is not a bool.
 
     Example:
         >>> import torch_facade as cstorch
-        >>> cstorch.amp.enable_mixed_precision(True); cstorch.amp.mixed_precision()
+        >>> cstorch.amp.enable_mixed_precision(True)
         True
         >>> cstorch.amp.enable_mixed_precision(False)
+        False
     """
-    if not isinstance(use, bool):
-        raise TypeError(f"use must be a bool; got {use!r}")
-    _STATE.enabled = use
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool; got {enable!r} ({type(enable).__name__})")
+    _STATE.enabled = enable
+    return _STATE.enabled
 
 
 def mixed_precision() -> bool:
@@ -131,6 +145,34 @@ def get_floating_point_dtype(default: torch.dtype = torch.float32) -> torch.dtyp
     return get_half_dtype() if _STATE.enabled else default
 
 
+def get_floating_point_dtype_str(default: str = "float32") -> str:
+    """The name of the half dtype if mixed precision is enabled, else ``default``.
+
+    The string form of :func:`get_floating_point_dtype`, which ModelZoo models pass on to
+    their embedding layers. For cbfloat16 it is ``"cbfloat16"`` (the real format's name, not
+    its float16 proxy's).
+
+    Args:
+        default: what to return while mixed precision is disabled.
+
+    Raises:
+        TypeError: ``default`` is not a string.
+
+    Example:
+        >>> import torch_facade as cstorch
+        >>> cstorch.amp.get_floating_point_dtype_str()
+        'float32'
+        >>> cstorch.amp.set_half_dtype("cbfloat16")
+        torch.float16
+        >>> cstorch.amp.get_floating_point_dtype_str()
+        'cbfloat16'
+        >>> _ = cstorch.amp.set_half_dtype("float16"); _ = cstorch.amp.enable_mixed_precision(False)
+    """
+    if not isinstance(default, str):
+        raise TypeError(f"default must be a str; got {default!r} ({type(default).__name__})")
+    return _STATE.half_dtype if _STATE.enabled else default
+
+
 def is_cbfloat16_tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` holds cbfloat16 values in its float16 proxy.
 
@@ -151,20 +193,21 @@ def is_cbfloat16_tensor(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _checked_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+def _checked_autocast(device_type: str, dtype: torch.dtype, note: str = "") -> Iterator[None]:
     """``torch.autocast(device_type, dtype)``, with torch's own rejection as a ``ValueError``.
 
     torch validates the dtype itself: it raises for some pairs (bfloat16 on a CUDA device without
     it) and, for a dtype its device does not support, warns and runs with autocast *disabled*.
-    Both become a ``ValueError`` here, so a model never silently runs without autocast.
+    Both become a ``ValueError`` here (``note`` appended), so a model never silently runs
+    without autocast.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             context = torch.autocast(device_type=device_type, dtype=dtype)
-        except RuntimeError as error:
+        except (RuntimeError, AssertionError) as error:
             raise ValueError(
-                f"torch.autocast rejects dtype {dtype} on device {device_type!r}: {error}"
+                f"torch.autocast rejects dtype {dtype} on device {device_type!r}: {error}{note}"
             ) from error
     with context:
         if not torch.is_autocast_enabled(device_type):  # torch warned and disabled it
@@ -172,29 +215,92 @@ def _checked_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
             raise ValueError(
                 f"torch.autocast does not support dtype {dtype} on device {device_type!r}"
                 + (f" ({reasons})" if reasons else "")
+                + note
             )
         for w in caught:  # unrelated warnings go on to the caller's filters
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         yield
 
 
-@contextlib.contextmanager
-def autocast(dtype: str | torch.dtype | None = None) -> Iterator[None]:
-    """``torch.autocast`` on the current device with the half dtype in force (or ``dtype``).
+def _autocast_available(device_type: str) -> bool:
+    try:
+        return bool(torch.amp.is_autocast_available(device_type))
+    except RuntimeError:  # a device type torch's autocast does not know (e.g. "meta")
+        return False
 
-    The device is CUDA when torch sees a GPU, else the CPU. Every dtype that ``torch.autocast``
-    accepts on that device works (on the CPU, torch 2.13 computes in float16 and bfloat16); the
-    cbfloat16 half dtype autocasts to its float16 proxy, so it computes with float16 numerics.
-    What torch rejects (it warns and disables autocast for an unsupported dtype) is a
-    ``ValueError`` here instead.
+
+def _device_type_of(device_type: Any) -> str:
+    if isinstance(device_type, torch.device):
+        name = device_type.type
+    elif isinstance(device_type, str):
+        try:
+            name = torch.device(device_type).type
+        except RuntimeError as error:
+            raise ValueError(
+                f"device_type must name a torch device type; got {device_type!r}"
+            ) from error
+    else:
+        raise TypeError(
+            "device_type must be a str, a torch.device or None; got "
+            f"{device_type!r} ({type(device_type).__name__})"
+        )
+    if not _autocast_available(name):
+        raise ValueError(f"device_type {name!r} has no torch.autocast; got {device_type!r}")
+    return name
+
+
+def autocast_device_types(device_type: str | torch.device | None = None) -> tuple[str, ...]:
+    """The device types :func:`autocast` covers: ``device_type``'s alone, else every device a
+    model could be on: the CPU, the default device's type (``torch.get_default_device()``) and
+    CUDA when torch sees a GPU.
+
+    Example:
+        >>> from torch_facade.amp._amp_state import autocast_device_types
+        >>> autocast_device_types("cpu")
+        ('cpu',)
+    """
+    if device_type is not None:
+        return (_device_type_of(device_type),)
+    types = ["cpu"]
+    default = torch.get_default_device().type
+    if default not in types and _autocast_available(default):
+        types.append(default)
+    if "cuda" not in types and torch.cuda.is_available():
+        types.append("cuda")
+    return tuple(types)
+
+
+@contextlib.contextmanager
+def autocast(
+    dtype: str | torch.dtype | None = None, *, device_type: str | torch.device | None = None
+) -> Iterator[None]:
+    """``torch.autocast`` with the half dtype in force (or ``dtype``), on the model's device.
+
+    **Which device.** A model can be on the CPU of a machine with a GPU, or on the GPU while
+    new tensors are created on the CPU; the context cannot know which, so without
+    ``device_type`` it autocasts on every device the model could be on: the CPU, the default
+    device's type (``torch.get_default_device()``, as set by ``torch.set_default_device`` or
+    ``with torch.device(...)``) and CUDA when ``torch.cuda.is_available()``. Each op is then
+    autocast on the device it runs on, and a CPU model on a GPU machine gets a CPU autocast.
+    (Ops on the other devices inside the context are autocast too, which a single
+    ``torch.autocast(device)`` would leave alone.) ``device_type`` restricts it to one device.
+
+    Every dtype that ``torch.autocast`` accepts on a device works (on the CPU, torch 2.13
+    computes in float16 and bfloat16); the cbfloat16 half dtype autocasts to its float16 proxy,
+    so it computes with float16 numerics. What torch rejects on any covered device (it warns and
+    disables autocast for an unsupported dtype) is a ``ValueError`` instead: the model never runs
+    unautocast silently. Inside :func:`disable_casts` the context autocasts nothing.
 
     Args:
         dtype: a half dtype name (``"float16"``, ``"bfloat16"``, ``"cbfloat16"``) or any
             ``torch.dtype``; ``None`` takes the half dtype in force.
+        device_type: the one device type to autocast on (``"cpu"``, ``"cuda"``, a
+            ``torch.device``); ``None`` covers every device the model could be on (above).
 
     Raises:
-        ValueError: an unknown dtype name, or a dtype that ``torch.autocast`` rejects on the
-            device (the message names both).
+        ValueError: an unknown dtype name, a device type without autocast, or a dtype that
+            ``torch.autocast`` rejects on a covered device (the message names both).
+        TypeError: ``device_type`` is neither a string, a ``torch.device`` nor ``None``.
 
     Example:
         >>> import torch, torch_facade as cstorch
@@ -202,12 +308,69 @@ def autocast(dtype: str | torch.dtype | None = None) -> Iterator[None]:
         ...     y = torch.nn.Linear(2, 2)(torch.ones(1, 2))
         >>> y.dtype
         torch.bfloat16
+        >>> with cstorch.amp.autocast(torch.bfloat16, device_type="cpu"):
+        ...     torch.is_autocast_enabled("cpu")
+        True
     """
     if isinstance(dtype, torch.dtype):
-        torch_dtype = dtype
+        torch_dtype, name = dtype, None
     else:
         name = _STATE.half_dtype if dtype is None else _half_dtype_name(dtype)
         torch_dtype = _PROXY_DTYPES[name]
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    with _checked_autocast(device_type, torch_dtype):
+    device_types = autocast_device_types(device_type)
+    with contextlib.ExitStack() as stack:
+        if _STATE.casts_disabled:
+            for each in device_types:
+                stack.enter_context(torch.autocast(device_type=each, enabled=False))
+        else:
+            for each in device_types:
+                note = ""
+                if device_type is None and each != "cpu":
+                    note = (
+                        f"; cstorch.amp.autocast() autocasts on {', '.join(device_types)} (every "
+                        "device a model could be on): pass device_type= to choose one"
+                    )
+                stack.enter_context(_checked_autocast(each, torch_dtype, note))
+            if name == "cbfloat16":
+                _STATE.proxy_autocast_seen = True
         yield
+
+
+def take_proxy_autocast_seen() -> bool:
+    """Whether :func:`autocast` ran with the cbfloat16 proxy since the last call (which clears
+    it) or the last :func:`set_half_dtype`.
+
+    Example:
+        >>> from torch_facade.amp._amp_state import take_proxy_autocast_seen
+        >>> _ = take_proxy_autocast_seen(); take_proxy_autocast_seen()
+        False
+    """
+    seen, _STATE.proxy_autocast_seen = _STATE.proxy_autocast_seen, False
+    return seen
+
+
+@contextlib.contextmanager
+def casts_disabled() -> Iterator[None]:
+    """Turns :func:`autocast` off while open (see :func:`torch_facade.amp.disable_casts`).
+
+    Example:
+        >>> from torch_facade.amp._amp_state import casts_disabled
+        >>> with casts_disabled():
+        ...     pass
+    """
+    _STATE.casts_disabled += 1
+    try:
+        yield
+    finally:
+        _STATE.casts_disabled -= 1
+
+
+def are_casts_disabled() -> bool:
+    """Whether a :func:`casts_disabled` context is open.
+
+    Example:
+        >>> from torch_facade.amp._amp_state import are_casts_disabled
+        >>> are_casts_disabled()
+        False
+    """
+    return _STATE.casts_disabled > 0

@@ -13,145 +13,90 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 import amp_core
-from hardware.devices import jax_device_for
+from torch_facade.amp import _crossing, _crossing_cpu, _crossing_cuda, _crossing_public, _jax_guest
+
+
+def crossing_for(device: torch.device) -> _crossing.Crossing:
+    """The crossing for tensors on ``device`` (:mod:`~torch_facade.amp._crossing`), chosen once
+    per device after the private variants' self-checks; JAX is started as a guest first."""
+    return _chosen_crossing(device)
+
+
+@functools.cache
+def _chosen_crossing(device: torch.device) -> _crossing.Crossing:
+    if device.type == "cpu":
+        _jax_guest.start(device)
+        return _crossing_cpu.crossing() or _crossing_public.crossing(host_is_device=True)
+    jax_device = _jax_guest.jax_device_for(device)  # a clear error when JAX has no such device
+    if device.type == "cuda":
+        chosen = _crossing_cuda.crossing(device, jax_device)
+        return chosen or _crossing_public.crossing(host_is_device=False)
+    return _crossing_public.crossing(host_is_device=False)
 
 
 def to_jax(tensor: torch.Tensor) -> jax.Array:
     """Zero-copy import of one torch tensor (see :func:`import_tensors`)."""
-    return _importer_for(tensor)(tensor)
-
-
-def _public_import(tensor: torch.Tensor) -> jax.Array:
-    """Import through the public DLPack API (any device).
-
-    Zero-copy when the tensor is contiguous and 64-byte aligned; otherwise JAX copies.
-    """
-    return jax.dlpack.from_dlpack(tensor)
-
-
-def _cpu_importer() -> Any:
-    """The lower-level DLPack import under ``jax.dlpack.from_dlpack``, for CPU tensors.
-
-    ``from_dlpack`` spends most of its ~90 us per tensor on device lookups, stream handling and a
-    ``jnp.asarray``; the call below it takes ~7 us with ``torch.utils.dlpack.to_dlpack``. It is a
-    private jaxlib function, so it is used only after a self-check on this jaxlib (same memory,
-    same values), else the public API.
-    """
-    try:
-        from jax._src.lib import _jax as jaxlib_ext
-
-        convert = jaxlib_ext.dlpack_managed_tensor_to_buffer
-        to_dlpack = torch.utils.dlpack.to_dlpack
-        cpu = jax.devices("cpu")[0]
-        kind = int(torch.utils.dlpack.DLDeviceType.kDLCPU)
-    except Exception:
-        return _public_import
-
-    def importer(tensor: torch.Tensor) -> jax.Array:
-        return convert(to_dlpack(tensor), cpu, None, None, kind)
-
-    probe = torch.arange(16, dtype=torch.float32)
-    return importer if _views_its_input(importer, probe, jax.Array) else _public_import
-
-
-def _views_its_input(crossing: Any, probe: Any, result_type: type) -> bool:
-    """Whether ``crossing(probe)`` (``probe``: float32 0..15) gives a ``result_type`` over the
-    same memory with the same values: the self-check of a private jaxlib crossing."""
-    try:
-        result = crossing(probe)
-        return (
-            isinstance(result, result_type)
-            and tuple(result.shape) == (16,)
-            and str(result.dtype).endswith("float32")
-            and _address(result) == _address(probe)
-            and float(result.sum()) == 120.0
-        )
-    except Exception:
-        return False
-
-
-def _address(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr()
-    return value.unsafe_buffer_pointer()
-
-
-@functools.cache
-def _fast_cpu_import() -> Any:
-    return _cpu_importer()
+    return crossing_for(tensor.device).import_many([tensor])[0]
 
 
 def import_tensors(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:
-    """Imports gradients for one read by a jitted core, zero-copy where DLPack allows.
+    """Imports tensors of one device for a read by a jitted core, zero-copy where DLPack allows.
 
-    On the CPU this uses the fast importer (about 7 us a tensor). Elsewhere the public API, which
-    orders the read after torch's pending work on the device's stream.
+    Through the crossing of their device (:mod:`~torch_facade.amp._crossing`): ordered after
+    torch's pending work on them, with no host wait.
     """
     if not tensors:
         return ()
-    return tuple(map(_importer_for(tensors[0]), tensors))
+    return crossing_for(tensors[0].device).import_many(tensors)
 
 
-def _importer_for(tensor: torch.Tensor) -> Any:
-    return _fast_cpu_import() if tensor.device.type == "cpu" else _public_import
-
-
-def to_torch(array: jax.Array) -> torch.Tensor:
-    """Zero-copy export of a JAX array (waits until it is computed).
+def to_torch(array: Any) -> torch.Tensor:
+    """Zero-copy export of a JAX array (or a view of a NumPy array: a state not yet placed).
 
     Always a normal tensor, even when called under ``torch.inference_mode()``: the scaler keeps
     some of these (its scale) and a later ``scale(loss)`` saves them for backward.
     """
+    return _normal_tensor(_export, array)
+
+
+def _normal_tensor(export: Any, array: Any) -> torch.Tensor:
+    """``export(array)``, outside inference mode (whose tensors autograd refuses to save)."""
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
-            return _export(array)
-    return _export(array)
+            return export(array)
+    return export(array)
 
 
-def _export(array: jax.Array) -> torch.Tensor:
-    exporter = _fast_cpu_export()
-    if exporter is not None and array.device.platform == "cpu":
-        return exporter(array)
-    return torch.from_dlpack(array)  # orders the read after JAX's work on the device's stream
+def _export(array: Any) -> torch.Tensor:
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    if array.device.platform == "cpu":
+        return crossing_for(_CPU).export(array)
+    return _crossing_public.export(array)  # orders torch's stream after JAX's work
 
 
-def _cpu_exporter() -> Any:
-    """The lower-level DLPack export under ``jax.Array.__dlpack__``, for CPU arrays, or None.
-
-    ``torch.from_dlpack`` goes through ``__dlpack__``'s stream and version handling (about 10 us
-    a call warm, 110 us right after a backward pass); the jaxlib call below it about 1.5 us
-    warm. It is a private jaxlib function, so it is used only after a self-check on this
-    jaxlib (same memory, same values).
-    """
-    try:
-        from jax._src.lib import _jax as jaxlib_ext
-
-        to_capsule = jaxlib_ext.buffer_to_dlpack_managed_tensor
-        from_capsule = torch.utils.dlpack.from_dlpack
-    except Exception:
-        return None
-
-    def exporter(array: jax.Array) -> torch.Tensor:
-        return from_capsule(to_capsule(array))
-
-    probe = jnp.arange(16, dtype=jnp.float32)
-    return exporter if _views_its_input(exporter, probe, torch.Tensor) else None
-
-
-@functools.cache
-def _fast_cpu_export() -> Any:
-    return _cpu_exporter()
+_CPU = torch.device("cpu")
 
 
 def place_state(state: amp_core.LossScaleState, torch_device: torch.device) -> Any:
-    """Moves the scaler state to the JAX device matching ``torch_device`` (no-op if there)."""
-    device = jax_device_for(torch_device)
-    if state.loss_scale.devices() == {device}:
+    """Moves the scaler state to the JAX device matching ``torch_device`` (no-op if there).
+
+    A state not placed yet (NumPy arrays, :func:`amp_core.init_on_host`) is put there; JAX is
+    started as a guest first if nothing has started it (:mod:`~torch_facade.amp._jax_guest`).
+    """
+    device = _jax_guest.jax_device_for(torch_device)
+    if not isinstance(state.loss_scale, np.ndarray) and state.loss_scale.devices() == {device}:
         return state
     return jax.device_put(state, device)
+
+
+def on_host(state: amp_core.LossScaleState) -> amp_core.LossScaleState:
+    """The state as (writable) NumPy arrays: a host synchronisation if it is on a device."""
+    return amp_core.LossScaleState(*(np.array(leaf) for leaf in jax.device_get(tuple(state))))
 
 
 class FacadeStep(NamedTuple):
@@ -174,7 +119,7 @@ class StepScalars(NamedTuple):
     grad_scale: torch.Tensor  # ``1 / multiplier``, for fused optimizers
     found_inf: torch.Tensor  # 1.0 on overflow, for fused optimizers
     loss_scale: torch.Tensor  # the next state's loss scale
-    inverse_scale: torch.Tensor  # ``1 / loss_scale``
+    unscale: torch.Tensor  # ``1 / loss_scale`` of the state that scaled these gradients
     overflows_at_min_scale: torch.Tensor  # the next state's stall counter
     consistent: torch.Tensor  # 1.0 unless ranks disagreed on the loss scale (distributed)
     clip_multiplier: torch.Tensor  # the multiplier for gradients unscaled already (GCC's clip)
@@ -199,7 +144,7 @@ def _finish(
             grad_scale,
             found_inf,
             next_state.loss_scale,
-            amp_core.inverse_scale(next_state),
+            amp_core.inverse_scale(state),
             next_state.overflows_at_min_scale.astype(jnp.float32),
             consistent.astype(jnp.float32),
             clip,
@@ -210,15 +155,18 @@ def _finish(
 
 def _local_step(
     config: amp_core.LossScaleConfig,
+    branch_free: bool,
     state: amp_core.LossScaleState,
     grads: tuple[jax.Array, ...],
     optimizer_steps: jax.Array,
 ) -> FacadeStep:
-    total = amp_core.sum_of_unscaled_squares(grads, amp_core.inverse_scale(state))
+    inv = amp_core.inverse_scale(state)
+    total = amp_core.sum_of_unscaled_squares(grads, inv, branch_free=branch_free)
     return _finish(config, state, total, optimizer_steps, jnp.asarray(True))
 
 
 def _partials(
+    branch_free: bool,
     state: amp_core.LossScaleState,
     sharded: tuple[jax.Array, ...],
     replicated: tuple[jax.Array, ...],
@@ -226,8 +174,8 @@ def _partials(
     inv = amp_core.inverse_scale(state)
     return jnp.stack(
         [
-            amp_core.sum_of_unscaled_squares(sharded, inv),
-            amp_core.sum_of_unscaled_squares(replicated, inv),
+            amp_core.sum_of_unscaled_squares(sharded, inv, branch_free=branch_free),
+            amp_core.sum_of_unscaled_squares(replicated, inv, branch_free=branch_free),
             *_fingerprint(state),
         ]
     )
@@ -253,17 +201,29 @@ def _distributed_step(
     return _finish(config, state, total, optimizer_steps, consistent)
 
 
-@functools.cache
-def local_core(config: amp_core.LossScaleConfig) -> Any:
-    """One process: read the gradients, decide, update. Compiles once per gradient structure."""
-    return jax.jit(functools.partial(_local_step, config))
+def local_core(config: amp_core.LossScaleConfig, branch_free: bool = False) -> Any:
+    """One process: read the gradients, decide, update. Compiles once per gradient structure.
+
+    ``branch_free``: no ``lax.cond`` inside (accelerators, where XLA would evaluate its
+    predicate on the host; see :func:`amp_core.sum_of_unscaled_squares`).
+    """
+    return _local_core(config, branch_free)
 
 
 @functools.cache
-def partials_core() -> Any:
+def _local_core(config: amp_core.LossScaleConfig, branch_free: bool) -> Any:
+    return jax.jit(functools.partial(_local_step, config, branch_free))
+
+
+def partials_core(branch_free: bool = False) -> Any:
     """A distributed job's local half: this rank's sharded and replicated sums, and the scale and
     counters every rank must agree on (``float32[5]``)."""
-    return jax.jit(_partials)
+    return _partials_core(branch_free)
+
+
+@functools.cache
+def _partials_core(branch_free: bool) -> Any:
+    return jax.jit(functools.partial(_partials, branch_free))
 
 
 @functools.cache
@@ -272,9 +232,15 @@ def distributed_core(config: amp_core.LossScaleConfig) -> Any:
     return jax.jit(functools.partial(_distributed_step, config))
 
 
-def step_scalars(step: FacadeStep) -> StepScalars:
-    """Waits for the core call and views its scalars from torch (one DLPack export)."""
-    return StepScalars(*to_torch(step.scalars.block_until_ready()).unbind())
+def packed_scalars(step: FacadeStep, crossing: _crossing.Crossing) -> torch.Tensor:
+    """Views the core call's packed scalars from torch (one DLPack export; ``float32[8]`` in
+    the field order of :class:`StepScalars`).
+
+    No host wait on an accelerator: torch's stream waits for JAX's result on the device, so
+    every torch kernel queued afterwards (the multiply, the fused step, a reuse of the gradients'
+    memory) comes after the core's read. On the CPU the export returns once the result exists.
+    """
+    return _normal_tensor(crossing.export, step.scalars)
 
 
 @functools.cache

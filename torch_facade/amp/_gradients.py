@@ -86,6 +86,14 @@ def read(params: Iterable[torch.Tensor]) -> GradientRead:
     )
 
 
+def device_of(params: Iterable[torch.Tensor]) -> torch.device | None:
+    """The device of the first gradient of ``params`` (``None`` when none has one)."""
+    for param in params:
+        if param.grad is not None:
+            return _dtensor.local_values(param.grad)[0].device
+    return None
+
+
 def local_tensors(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors holding this rank's gradient values of ``params``, to multiply in place."""
     result = []
@@ -101,4 +109,12 @@ def multiply_(tensors: list[torch.Tensor], multiplier: torch.Tensor) -> None:
     if not tensors:
         return
     with torch.no_grad():
-        torch._foreach_mul_(tensors, multiplier.to(tensors[0].device, non_blocking=True))
+        torch._foreach_mul_(tensors, on_device(multiplier, tensors[0].device))
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``: as it is if it is there; a copy otherwise, which the host waits
+    for when it goes to the CPU (a non-blocking copy from a GPU could be read before it lands)."""
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=tensor.device.type == "cpu")

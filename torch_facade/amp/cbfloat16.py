@@ -39,7 +39,7 @@ Example:
     True
     >>> cstorch.amp.round_to_cbfloat16(x.half()).dtype  # float32 is the exact container
     torch.float32
-    >>> _ = cstorch.amp.set_half_dtype("float16"); cstorch.amp.enable_mixed_precision(False)
+    >>> _ = cstorch.amp.set_half_dtype("float16"); _ = cstorch.amp.enable_mixed_precision(False)
 """
 
 from __future__ import annotations

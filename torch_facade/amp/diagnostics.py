@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import warnings
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import torch
 
-from torch_facade.amp import _bridge, _dtensor, _storage
+import amp_core
+from torch_facade.amp import _bridge, _caller, _dtensor, _storage
+from torch_facade.amp._decision import Decision
 
-if TYPE_CHECKING:
-    from torch_facade.amp.grad_scaler import GradScaler
+
+class LossScaleStalledError(RuntimeError):
+    """Dynamic loss scaling can no longer help: the scale sits at ``min_loss_scale`` and every
+    step still overflows (raised with ``GradScaler(..., raise_on_stall=True)``).
+
+    Attributes:
+        report: the :class:`~torch_facade.amp.OverflowReport` of the last step: which gradients
+            held inf or NaN.
+    """
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +61,23 @@ def _elements(count: int) -> str:
     return f"{count} element{'s' if count != 1 else ''}"
 
 
-def overflow_report(scaler: GradScaler, module: torch.nn.Module | None = None) -> OverflowReport:
-    """The :class:`OverflowReport` of ``scaler``'s current (or last) decision.
+def overflow_report(
+    decision: Decision | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    reached: Sequence[torch.Tensor],
+    module: torch.nn.Module | None = None,
+) -> OverflowReport:
+    """The :class:`OverflowReport` of a scaler's current (or last) decision.
 
     See :meth:`GradScaler.nonfinite_gradients`. In a distributed job it covers this rank's
     gradients (its shards under FSDP2). In a scaler's first iteration the decision also read the
-    parameters the scaled losses reached that no known optimizer holds yet; without ``module``
-    to name them they are ``unregistered_params[k]``, in the order the losses reached them.
+    parameters the scaled losses reached that no known optimizer holds yet (``reached``); without
+    ``module`` to name them they are ``unregistered_params[k]``, in the order the losses reached
+    them.
 
     Raises:
         RuntimeError: the scaler has not taken a decision yet.
     """
-    decision = scaler._decision or scaler._last_decision
     if decision is None:
         raise RuntimeError(
             "nonfinite_gradients() needs a decision: call it after unscale_() or step()"
@@ -65,7 +85,7 @@ def overflow_report(scaler: GradScaler, module: torch.nn.Module | None = None) -
     names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
     entries: list[tuple[str, torch.Tensor, float]] = []
     seen: set[int] = set()
-    for index, optimizer in enumerate(scaler._optimizers):
+    for index, optimizer in enumerate(optimizers):
         inv_scale = decision.inverse_scale_of(optimizer)
         for g, group in enumerate(optimizer.param_groups):
             for j, param in enumerate(group["params"]):
@@ -75,9 +95,9 @@ def overflow_report(scaler: GradScaler, module: torch.nn.Module | None = None) -
                 name = names.get(id(param), f"optimizer{index}.param_groups[{g}].params[{j}]")
                 local = _dtensor.local_values(param.grad)[0]
                 entries.append((name, _storage.in_memory_order(local), inv_scale))
-    unregistered = [p for p in dict.fromkeys(scaler._reached) if id(p) not in seen]
+    unregistered = [p for p in dict.fromkeys(reached) if id(p) not in seen]
     if unregistered:  # still as scaled: no optimizer has unscaled them
-        inv_scale = float(_bridge.inverse_scale(decision.state_before))
+        inv_scale = decision.inverse_scale()
         for k, param in enumerate(unregistered):
             if param.grad is None:
                 continue
@@ -96,7 +116,16 @@ def overflow_report(scaler: GradScaler, module: torch.nn.Module | None = None) -
     return OverflowReport(ordered, len(entries))
 
 
-def scaler_metrics(scaler: GradScaler, *, as_tensors: bool = False) -> dict[str, Any]:
+class _Readable(Protocol):
+    """The accessors :func:`scaler_metrics` reads (a :class:`GradScaler` has them)."""
+
+    def get_scale(self) -> torch.Tensor | float: ...
+    def get_num_skipped_steps(self) -> torch.Tensor: ...
+    def get_global_norm(self) -> torch.Tensor: ...
+    def get_isfinite(self) -> torch.Tensor: ...
+
+
+def scaler_metrics(scaler: _Readable, *, as_tensors: bool = False) -> dict[str, Any]:
     """The scaler's numbers for a logger, under the names the Cerebras modelzoo logs.
 
     ``loss_scale``, ``num_skipped_steps``, ``global_norm`` (of the last step's unscaled
@@ -125,3 +154,51 @@ def scaler_metrics(scaler: GradScaler, *, as_tensors: bool = False) -> dict[str,
     if as_tensors:
         return values
     return {key: value.item() for key, value in values.items()}
+
+
+class StallWatch:
+    """Warns (or raises) when a run has overflowed at ``min_loss_scale`` for too long.
+
+    Reads one number the decision already exported: free where the host is the device or has
+    read the decision already, and skipped otherwise (a fused step on an accelerator: no host
+    synchronisation for this; see the README).
+
+    Args:
+        config: the dynamic configuration (its ``stall_steps`` and ``min_loss_scale``).
+        raise_on_stall: raise :class:`LossScaleStalledError` instead of warning.
+    """
+
+    def __init__(self, config: amp_core.DynamicLossScale, raise_on_stall: bool) -> None:
+        self.config = config
+        self.raise_on_stall = raise_on_stall
+        self.warned = False
+
+    def check(self, decision: Decision, report: Any) -> None:
+        """Checks the counter after ``decision``'s update; ``report()`` gives the overflow report."""
+        if decision.packed is None or not decision.host_values_known():
+            return
+        values = decision.host_values()
+        assert values is not None
+        if values[_FOUND_INF] == 0.0:
+            self.warned = False
+            return
+        count = int(values[_STALL])
+        if count < self.config.stall_steps:
+            self.warned = self.warned and count > 0
+            return
+        message = (
+            f"dynamic loss scaling has stalled: {count} consecutive steps overflowed with the "
+            f"loss scale already at min_loss_scale={self.config.min_loss_scale}, so every step "
+            "is skipped and lowering the scale cannot help. The gradients are inf or NaN for "
+            "another reason (a diverged model, bad data, a learning rate that is too high): "
+            "see GradScaler.nonfinite_gradients() for which parameters."
+        )
+        if self.raise_on_stall:
+            raise LossScaleStalledError(message, report())
+        if not self.warned:
+            warnings.warn(message, RuntimeWarning, stacklevel=_caller.stacklevel())
+            self.warned = True
+
+
+_FOUND_INF = _bridge.StepScalars._fields.index("found_inf")
+_STALL = _bridge.StepScalars._fields.index("overflows_at_min_scale")

@@ -1,133 +1,46 @@
-"""``cstorch.amp.GradScaler`` over plain ``torch.optim`` optimizers, driven by amp_core."""
+"""``cstorch.amp.GradScaler``: the per-optimizer stage machine over one decision per iteration.
+
+The decision itself (reading the gradients, the jitted core, the multipliers) is
+:mod:`~torch_facade.amp._decision`; fused optimizers' kernels are driven by
+:mod:`~torch_facade.amp._fused`; the overflow report and the stall check are
+:mod:`~torch_facade.amp.diagnostics`. This module keeps the stages, the state and the accessors.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import functools
-import os
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
+import numpy as np
 import torch
 
 import amp_core
-from torch_facade.amp import _bridge, _discovery, _distributed, _gradients
+from torch_facade.amp import (
+    _bridge,
+    _caller,
+    _cbfloat16_notice,
+    _discovery,
+    _distributed,
+    _gradients,
+    _torch_checkpoint,
+    conditional_update,
+)
 from torch_facade.amp._amp_state import get_half_dtype_str
+from torch_facade.amp._decision import Decider, Decision, groups_key, params_of
+from torch_facade.amp._fused import FusedSteps
+from torch_facade.amp.diagnostics import LossScaleStalledError, StallWatch, overflow_report
+
+__all__ = ["GradScaler", "LossScaleStalledError"]
 
 
 class _Stage(enum.Enum):
     READY = 0
     UNSCALED = 1
     STEPPED = 2
-
-
-class LossScaleStalledError(RuntimeError):
-    """Dynamic loss scaling can no longer help: the scale sits at ``min_loss_scale`` and every
-    step still overflows (raised with ``GradScaler(..., raise_on_stall=True)``).
-
-    Attributes:
-        report: the :class:`~torch_facade.amp.OverflowReport` of the last step: which gradients
-            held inf or NaN.
-    """
-
-    def __init__(self, message: str, report: Any) -> None:
-        super().__init__(message)
-        self.report = report
-
-
-@dataclasses.dataclass
-class _Decision:
-    """One iteration's overflow decision, taken once over every known optimizer's gradients.
-
-    ``outputs`` are the jitted core's results and ``scalars`` torch's views of the numbers it
-    needs (both ``None`` for static scaling, which never checks); the flag and the norm stay JAX
-    arrays until something asks for them.
-
-    Each optimizer's gradients go from scaled to unscaled (and clipped) in one multiply by
-    ``full``; or, when ``unscale_`` comes first with DLS + GCC, in two, as in the reference:
-    ``unscale`` there and ``clip`` at ``step``. ``pending`` holds what each optimizer's
-    gradients still need.
-    """
-
-    # What scaled gradients are multiplied by (None: nothing to do, static scaling by 1).
-    full: torch.Tensor | None
-    # The inverse scale alone, and the clip coefficient alone (None without DLS + GCC).
-    unscale: torch.Tensor | None
-    clip: torch.Tensor | None
-    # What each optimizer's gradients (by optimizer id) still need to be multiplied by.
-    pending: dict[int, torch.Tensor]
-    # Parameters (by id) whose gradients were read; None for static scaling, which reads none.
-    covered: frozenset[int] | None
-    # The state that scaled this iteration's gradients.
-    state_before: amp_core.LossScaleState
-    outputs: _bridge.FacadeStep | None = None
-    scalars: _bridge.StepScalars | None = None
-    # Optimizer steps the core counted on (the known optimizers at the decision).
-    expected_steps: int = 0
-    # The torch device of the gradients read (None when there were none).
-    device: torch.device | None = None
-    # Optimizers (by id) whose gradients the facade unscaled in place.
-    unscaled: set[int] = dataclasses.field(default_factory=set)
-    # Optimizers (by id) whose still-scaled gradients went to a fused kernel, which unscales
-    # them in place when it applies the step and leaves them alone when it skips it.
-    to_kernel: set[int] = dataclasses.field(default_factory=set)
-    scale_updated: bool = False
-    _host_isfinite: bool | None = None
-
-    def isfinite(self) -> torch.Tensor:
-        """The overflow flag as a new 0-d bool tensor (no host synchronisation).
-
-        A copy: the flag the skip decision reads must not change if the caller's tensor does.
-        """
-        if self.outputs is None:
-            return torch.tensor(True)
-        return _bridge.to_torch(self.outputs.isfinite).clone()
-
-    def host_isfinite(self) -> bool:
-        """``isfinite`` as a Python bool: a host synchronisation, done at most once."""
-        if self._host_isfinite is None:
-            # amp_core's found_inf, already a torch view: a cheaper read than the JAX flag's.
-            self._host_isfinite = self.scalars is None or not self.scalars.found_inf.item()
-        return self._host_isfinite
-
-    def join(self, optimizer: torch.optim.Optimizer) -> None:
-        """Adds an optimizer (met after the decision) whose gradients the decision read."""
-        if self.full is not None:
-            self.pending[id(optimizer)] = self.full
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscales ``optimizer``'s gradients; with GCC the clip waits for ``step``."""
-        if self.pending.get(id(optimizer)) is not self.full:
-            return
-        if self.clip is None:
-            self.finish(optimizer)
-        else:
-            _multiply(optimizer, self.unscale)
-            self.pending[id(optimizer)] = self.clip
-            self.unscaled.add(id(optimizer))
-
-    def finish(self, optimizer: torch.optim.Optimizer) -> None:
-        """Applies whatever ``optimizer``'s gradients still need."""
-        multiplier = self.pending.pop(id(optimizer), None)
-        if multiplier is not None:
-            _multiply(optimizer, multiplier)
-            self.unscaled.add(id(optimizer))
-
-    def inverse_scale_of(self, optimizer: torch.optim.Optimizer) -> float:
-        """What ``optimizer``'s gradients must still be multiplied by to read them unscaled."""
-        if id(optimizer) in self.unscaled:
-            return 1.0
-        if id(optimizer) in self.to_kernel and self.host_isfinite():
-            return 1.0
-        return float(_bridge.inverse_scale(self.state_before))  # amp_core's, not ours
-
-
-def _multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
-    _gradients.multiply_(_gradients.local_tensors(_params(optimizer)), multiplier)
 
 
 def _check_optimizer(value: Any, argument: str) -> torch.optim.Optimizer:
@@ -160,27 +73,7 @@ def _with_clip_norm(config: amp_core.LossScaleConfig, norm: float) -> amp_core.L
     return dataclasses.replace(config, max_gradient_norm=norm)
 
 
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside this package."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _groups_key(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[int, int], ...]:
-    """Identity and length of every param group's ``params`` list: what per-decision caches
-    check, so that ``add_param_group`` or a replaced ``params`` list looks again."""
-    return tuple(
-        (id(group["params"]), len(group["params"]))
-        for optimizer in optimizers
-        for group in optimizer.param_groups
-    )
+_params = params_of  # the name optimizer_step imports
 
 
 class GradScaler:
@@ -202,12 +95,15 @@ class GradScaler:
     in the first iteration the decision also covers every parameter the scaled losses reach, so
     torch's multi-optimizer loop works without registration.
 
-    Host synchronisation: the decision waits for the jitted check (it reads the gradients, so
-    torch must not write them meanwhile; on the CPU this is just the computation, on a GPU a
-    wait for the device). Non-fused optimizers also read ``isfinite`` as a Python bool, once per
-    iteration. Optimizers with a fused unscale-and-skip kernel (``Adam``/``AdamW``/``SGD`` with
-    ``fused=True``, once their state exists) get the scale and the overflow flag as tensors
-    instead. ``state_dict`` synchronises. ``get_isfinite`` and ``get_global_norm`` return tensors.
+    Host synchronisation: on a GPU none per iteration with fused optimizers (``Adam``/``AdamW``/
+    ``SGD`` with ``fused=True``, once their state exists): the jitted check is ordered after
+    torch's work on the device, torch's later kernels after it, and the kernels get the scale and
+    the overflow flag as tensors. Non-fused optimizers read ``isfinite`` on the host once per
+    iteration, as torch's scaler does. On the CPU the host is the device, so the decision's
+    results are complete when the facade sees them. ``state_dict`` synchronises;
+    ``get_isfinite`` and ``get_global_norm`` return tensors. JAX's backends are started (with
+    GPU memory preallocation off) only at the first decision: see the README's "Sharing a GPU
+    with torch".
 
     A backward pass of a scaled loss after the iteration's decision (alternating losses, as in
     GAN loops) raises a ``RuntimeError`` in ``scale()``: its gradients would not be part of the
@@ -276,12 +172,13 @@ class GradScaler:
         if not isinstance(raise_on_stall, bool):
             raise TypeError(f"raise_on_stall must be a bool; got {raise_on_stall!r}")
         _distributed.check_group(process_group)
-        self._process_group = process_group
         self._raise_on_stall = raise_on_stall
+        self._decider = Decider(process_group)
         self._warned_dtype = False
         self._start_session()
-        # Committed to a device from the start, so every step sees the same argument kinds.
-        self._set_state(jax.device_put(amp_core.init(self._config), jax.devices()[0]))
+        # On the host until the first decision puts it on the gradients' device: constructing a
+        # scaler starts no JAX backend.
+        self._set_state(amp_core.init_on_host(self._config))
         if optimizers is not None:
             for optimizer in _optimizer_list(optimizers, "optimizers"):
                 self._register(optimizer)
@@ -293,15 +190,15 @@ class GradScaler:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stages: dict[torch.optim.Optimizer, _Stage] = {}
         self._scaled = False  # scale() was called since the last update()
-        self._decision: _Decision | None = None
-        self._last_decision: _Decision | None = None
+        self._decision: Decision | None = None
+        self._last_decision: Decision | None = None
         # In the first iteration, the parameters the scaled losses reach join the decision.
         self._discovering = True
         self._reached: list[torch.Tensor] = []
-        self._warned_stall = False
-        # Caches of per-decision bookkeeping, each checked against what it depends on.
+        self._stall = StallWatch(self._config, self._raise_on_stall) if self._dynamic else None
+        self._fused = FusedSteps()
+        # The participating parameters, remembered while the param groups stay the same.
         self._participants_cache: tuple[tuple[Any, ...], list[torch.Tensor]] | None = None
-        self._all_stateful: dict[int, tuple[Any, ...]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -311,19 +208,17 @@ class GradScaler:
         scalars: _bridge.StepScalars | None = None,
         placed_for: torch.device | None = None,
     ) -> None:
-        """Adopts ``state``; ``scalars`` (from the core call that produced it) spare two exports.
+        """Adopts ``state``; ``scalars`` (from the core call that produced it) spare an export.
 
         ``placed_for``: the torch device whose JAX device ``state`` is known to be on (the
-        gradients' device of the decision that produced it), so that the next decision on that
-        device need not look.
+        gradients' device of the decision that produced it, ``None`` for a state on the host),
+        so that the next decision on that device need not look.
         """
         self._state = state
         self._placed_for = placed_for
-        if scalars is None:
-            self._scale_t = _bridge.to_torch(state.loss_scale)
-            self._inv_scale_t = _bridge.to_torch(_bridge.inverse_scale(state))
-        else:
-            self._scale_t, self._inv_scale_t = scalars.loss_scale, scalars.inverse_scale
+        self._scale_t = (
+            _bridge.to_torch(state.loss_scale) if scalars is None else scalars.loss_scale
+        )
         # Static scaling by exactly 1 needs no arithmetic at all.
         self._identity = not self._dynamic and float(self._scale_t) == 1.0
 
@@ -361,7 +256,9 @@ class GradScaler:
         """Loads the keys present in ``state_dict``; absent keys keep their values.
 
         Values may be tensors or numbers. Must be called between iterations. Checkpoints
-        written before ``overflows_at_min_scale`` existed load too.
+        written before ``overflows_at_min_scale`` existed load too, and so do
+        ``torch.amp.GradScaler`` checkpoints: their scale is taken over, with a warning naming
+        what is not (see :mod:`~torch_facade.amp._torch_checkpoint`).
 
         Raises:
             TypeError: not a mapping, or a value that is not a number.
@@ -380,8 +277,12 @@ class GradScaler:
                 "load_state_dict() must be called between iterations (after update()), not "
                 "between scale() and update(): the gradients were scaled with the old scale"
             )
-        state = amp_core.from_state_dict(self._config, self._state, state_dict)
-        self._set_state(jax.device_put(state, next(iter(self._state.loss_scale.devices()))))
+        state_dict = _torch_checkpoint.to_facade_format(state_dict, self._config)
+        state = amp_core.from_state_dict(self._config, _bridge.on_host(self._state), state_dict)
+        placed_for = self._placed_for
+        if placed_for is not None:
+            state = _bridge.place_state(state, placed_for)
+        self._set_state(state, placed_for=placed_for)
 
     def _busy(self) -> bool:
         stepping = any(s is not _Stage.READY for s in self._stages.values())
@@ -398,23 +299,23 @@ class GradScaler:
                 "a GradScaler can only be pickled (or deep-copied) between iterations, after "
                 "update(): this one is between scale() and update()"
             )
-        if self._process_group is not None:
+        if self._decider.process_group is not None:
             raise TypeError("a GradScaler with an explicit process_group cannot be pickled")
         return {
             "config": self._config,
-            "state": jax.device_get(self._state),
+            "state": _bridge.on_host(self._state),
             "raise_on_stall": self._raise_on_stall,
             "warned_dtype": self._warned_dtype,
         }
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._config = pickled["config"]
-        self._process_group = None
+        self._decider = Decider(None)
         self._raise_on_stall = pickled["raise_on_stall"]
         self._warned_dtype = pickled["warned_dtype"]
         self._start_session()
-        state = amp_core.LossScaleState(*pickled["state"])
-        self._set_state(jax.device_put(state, jax.devices()[0]))
+        # On the host, until the next decision places it (as after construction).
+        self._set_state(amp_core.LossScaleState(*(np.array(x) for x in pickled["state"])))
 
     # ------------------------------------- torch.amp.GradScaler internals that trainers call
 
@@ -501,12 +402,17 @@ class GradScaler:
                 "iteration before the first unscale_()/step() (as one loss over all models), or "
                 "use one GradScaler per optimizer for alternating losses (GAN-style loops)."
             )
+        if not self._scaled:  # a new iteration: restore what was marked after the last update()
+            conditional_update.settle(self)
         self._scaled = True
         if self._discovering and self._dynamic and loss.grad_fn is not None:
             self._reached.extend(_discovery.reached_parameters(loss))
         if self._identity:
             return loss.float()
-        return loss.float() * self._scale_t.to(loss.device, non_blocking=True)
+        scale = self._scale_t
+        if scale.device != loss.device and scale.device.type != "cpu":
+            scale = _gradients.on_device(scale, loss.device)  # a CPU 0-d tensor needs no copy
+        return loss.float() * scale
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscales the gradients of ``optimizer``'s parameters in place.
@@ -565,8 +471,8 @@ class GradScaler:
         self._register(optimizer)
         self._require_scaled("step")
         decision = self._decide()
-        if self._fused_step_possible(optimizer, decision):
-            result = self._fused_step(optimizer, decision, args, kwargs)
+        if self._fused.possible(optimizer, decision):
+            result = self._fused.step(optimizer, decision, args, kwargs)
         else:
             decision.finish(optimizer)
             result = optimizer.step(*args, **kwargs) if decision.host_isfinite() else None
@@ -639,8 +545,10 @@ class GradScaler:
             self._reached = []
         for optimizer in self._stages:
             self._stages[optimizer] = _Stage.READY
-        if self._dynamic and self._last_decision is not None:
-            self._check_stall(self._last_decision)
+        conditional_update.settle(self)  # restore what update_if_finite marked, if skipped
+        if self._stall is not None and self._last_decision is not None:
+            last = self._last_decision
+            self._stall.check(last, lambda: self._report(last))
 
     # ------------------------------------------------------------ diagnostics
 
@@ -669,38 +577,10 @@ class GradScaler:
             >>> print(scaler.nonfinite_gradients(model))
             1 of 2 gradients non-finite: bias (1 element)
         """
-        from torch_facade.amp.diagnostics import overflow_report
+        return self._report(self._decision or self._last_decision, module)
 
-        return overflow_report(self, module)
-
-    def _check_stall(self, decision: _Decision) -> None:
-        """Warns (or raises) when the run has overflowed at ``min_loss_scale`` for too long.
-
-        Reads one number the decision already exported: free on the CPU, and skipped where the
-        host already knows the step was finite.
-        """
-        scalars = decision.scalars
-        if scalars is None or decision._host_isfinite is True:
-            self._warned_stall = False
-            return
-        if scalars.overflows_at_min_scale.device.type != "cpu" and decision._host_isfinite is None:
-            return  # a fused step on an accelerator: no host sync for this (see README)
-        count = int(scalars.overflows_at_min_scale)
-        if count < self._config.stall_steps:
-            self._warned_stall = self._warned_stall and count > 0
-            return
-        message = (
-            f"dynamic loss scaling has stalled: {count} consecutive steps overflowed with the "
-            f"loss scale already at min_loss_scale={self._config.min_loss_scale}, so every step "
-            "is skipped and lowering the scale cannot help. The gradients are inf or NaN for "
-            "another reason (a diverged model, bad data, a learning rate that is too high): "
-            "see GradScaler.nonfinite_gradients() for which parameters."
-        )
-        if self._raise_on_stall:
-            raise LossScaleStalledError(message, self.nonfinite_gradients())
-        if not self._warned_stall:
-            warnings.warn(message, RuntimeWarning, stacklevel=_caller_stacklevel())
-            self._warned_stall = True
+    def _report(self, decision: Decision | None, module: torch.nn.Module | None = None) -> Any:
+        return overflow_report(decision, self._optimizers, self._reached, module)
 
     # --------------------------------------------------------------- internals
 
@@ -737,11 +617,12 @@ class GradScaler:
             warnings.warn(
                 "GradScaler is unscaling gradients that are not float32 in their own dtype",
                 UserWarning,
-                stacklevel=_caller_stacklevel(),
+                stacklevel=_caller.stacklevel(),
             )
             self._warned_dtype = True
         self._optimizers.append(optimizer)
         self._stages[optimizer] = _Stage.READY
+        conditional_update.link(optimizer, self)  # for cstorch.amp.isfinite/update_if_finite
         if decision is not None:
             decision.join(optimizer)
 
@@ -751,7 +632,7 @@ class GradScaler:
         Cached while the optimizers and their param groups' lists stay the same ones, of the
         same lengths (``add_param_group`` or a replaced ``params`` list looks again).
         """
-        key = _groups_key(self._optimizers)
+        key = groups_key(self._optimizers)
         cached = self._participants_cache
         if cached is not None and cached[0] == key and not self._reached:
             return cached[1]
@@ -770,7 +651,7 @@ class GradScaler:
                 params.append(param)
         return params
 
-    def _decide(self, clip_norm: float | None = None) -> _Decision:
+    def _decide(self, clip_norm: float | None = None) -> Decision:
         """Takes the iteration's overflow decision once, over every participating gradient.
 
         ``clip_norm`` (DLS only) clips by that global norm in the same pass, as DLS + GCC does;
@@ -778,124 +659,18 @@ class GradScaler:
         """
         if self._decision is not None:
             return self._decision
-        if not self._dynamic:  # static scaling never checks: apply every step
-            multiplier = None if self._identity else self._inv_scale_t
-            pending = {id(o): multiplier for o in self._optimizers if multiplier is not None}
-            self._decision = _Decision(multiplier, multiplier, None, pending, None, self._state)
-            return self._decision
-        config = self._config if clip_norm is None else _with_clip_norm(self._config, clip_norm)
-        grads = _gradients.read(self._participants())
-        self._check_meshes(grads)
-        if grads.device is not None and grads.device != self._placed_for:
-            self._set_state(_bridge.place_state(self._state, grads.device), placed_for=grads.device)
-        state, steps = self._state, len(self._optimizers)
-        collective = _distributed.collective(self._process_group)
-        if collective is None:
-            arrays = _bridge.import_tensors(grads.sharded + grads.replicated)
-            out = _bridge.local_core(config)(state, arrays, steps)
-        else:
-            partials = _bridge.partials_core()(
-                state,
-                _bridge.import_tensors(grads.sharded),
-                _bridge.import_tensors(grads.replicated),
+        if self._dynamic:
+            config = self._config if clip_norm is None else _with_clip_norm(self._config, clip_norm)
+            decision = self._decider.dynamic(
+                config, self._state, self._participants(), self._optimizers, self._placed_for
             )
-            gathered = collective.gather(_bridge.to_torch(partials))
-            out = _bridge.distributed_core(config)(state, _bridge.to_jax(gathered), steps)
-        scalars = _bridge.step_scalars(out)  # waits: torch must not write the grads meanwhile
-        if collective is not None and scalars.consistent.device.type == "cpu":
-            self._check_consistent(scalars)
-        self._decision = _Decision(
-            full=scalars.multiplier,
-            unscale=self._inv_scale_t,
-            clip=scalars.clip_multiplier if config.clips else None,
-            pending={id(o): scalars.multiplier for o in self._optimizers},
-            covered=grads.covered,
-            state_before=state,
-            outputs=out,
-            scalars=scalars,
-            expected_steps=steps,
-            device=grads.device,
-        )
-        return self._decision
-
-    def _check_meshes(self, grads: _gradients.GradientRead) -> None:
-        for mesh_group in grads.mesh_groups:
-            if not _distributed.same_ranks(mesh_group, self._process_group):
-                raise ValueError(
-                    "GradScaler's process group and the device mesh of the DTensor gradients "
-                    f"hold different ranks ({_distributed.ranks(self._process_group)} vs "
-                    f"{_distributed.ranks(mesh_group)}): the decision must be taken over the "
-                    "ranks that shard the gradients. Pass process_group=mesh.get_group()."
-                )
-
-    @staticmethod
-    def _check_consistent(scalars: _bridge.StepScalars) -> None:
-        if float(scalars.consistent) != 1.0:
-            raise RuntimeError(
-                "the ranks' GradScalers disagree on the loss scale or its counters, so their "
-                "decisions were not taken together: every rank must load the same state_dict "
-                "and call scale/unscale_/step/update in the same order"
+        else:  # static scaling never checks: apply every step
+            decision = self._decider.static(
+                self._state, self._participants(), self._optimizers, self._identity
             )
-
-    def _fused_step_possible(self, optimizer: torch.optim.Optimizer, decision: _Decision) -> bool:
-        """Whether ``optimizer`` can unscale and skip in its fused kernel, changing nothing.
-
-        Only once its state exists: a skipped first step would otherwise create zero state.
-        And only for gradients still scaled or fully unscaled (not waiting for a GCC clip).
-        """
-        if not self._dynamic or not getattr(optimizer, "_step_supports_amp_scaling", False):
-            return False
-        if decision.pending.get(id(optimizer), decision.full) is not decision.full:
-            return False
-        if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
-            return False
-        return self._has_state_for_gradients(optimizer)
-
-    def _has_state_for_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether every parameter of ``optimizer`` with a gradient has optimizer state.
-
-        Once every parameter (of the groups that keep state) has state, that is remembered while
-        the state dict stays the same object with as many entries and the param groups'
-        ``params`` lists stay the same: a step that creates state, ``load_state_dict``,
-        ``add_param_group`` or a replaced ``params`` list looks again.
-        """
-        state = optimizer.state
-        key = (id(state), len(state), _groups_key([optimizer]))
-        if self._all_stateful.get(id(optimizer)) == key:
-            return True
-        # By id: hashing a tensor key goes through Python (``Tensor.__hash__``), once per param.
-        with_state = {id(param) for param, entry in state.items() if entry}
-        every = True
-        for group in optimizer.param_groups:
-            if isinstance(optimizer, torch.optim.SGD) and not group.get("momentum"):
-                continue  # stateless
-            for param in group["params"]:
-                if id(param) not in with_state:
-                    every = False
-                    if param.grad is not None:
-                        return False
-        if every:
-            self._all_stateful[id(optimizer)] = key
-        return True
-
-    def _fused_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        decision: _Decision,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        assert decision.scalars is not None
-        # Gradients still scaled are unscaled (and clipped) by the kernel; gradients already
-        # unscaled by unscale_() only need the overflow flag.
-        still_scaled = decision.pending.pop(id(optimizer), None) is not None
-        if still_scaled:
-            decision.to_kernel.add(id(optimizer))
-        grad_scale = decision.scalars.grad_scale if still_scaled else None
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = decision.scalars.found_inf  # type: ignore[attr-defined]
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
+        if decision.state_before is not self._state:  # placed on the gradients' device
+            self._set_state(decision.state_before, placed_for=decision.device)
+        self._decision = decision
+        if self._dynamic:
+            _cbfloat16_notice.check(self, self._participants())
+        return decision

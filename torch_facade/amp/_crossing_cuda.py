@@ -1,0 +1,89 @@
+"""The CUDA crossing: one event and wait per decision, the lower-level import per tensor.
+
+The public ``jax.dlpack.from_dlpack`` costs, per tensor, a device lookup, a stream lookup, an event
+recorded on torch's stream and waited for by JAX's external-ready stream, and a ``jnp.asarray``.
+Here the waiting is done once per decision, for all the tensors: JAX's external-ready stream
+waits on one event recorded on torch's current stream (``Stream.wait_stream``), then each tensor
+goes through ``torch.utils.dlpack.to_dlpack`` (no stream work) and jaxlib's
+``dlpack_managed_tensor_to_buffer`` on that stream, which records the buffer's ready event there.
+JAX's computation waits for those events on the device; the host never waits.
+
+Views whose data pointer XLA:GPU would reject (it checks the alignment of entry parameters) are
+copied first, on torch's stream, before the event is recorded. Everything runs under a device
+guard: torch refuses DLPack for a tensor that is not on the current CUDA device.
+
+Private jaxlib calls, so the whole path is used only after its self-check on this device: a probe
+written by torch behind a queued device sleep must reach JAX with its new values (the ordering),
+over the same memory; JAX's result must reach torch likewise. Not yet run on a GPU (see the
+README's "Sharing a GPU with torch").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torch_facade.amp import _crossing_public, _storage
+from torch_facade.amp._crossing import Crossing, address
+
+# About 20 ms of device time at 1-2 GHz: long enough that an unordered read would see the zeros.
+_PROBE_SLEEP_CYCLES = 30_000_000
+
+
+def crossing(device: torch.device, jax_device: Any | None = None) -> Crossing | None:
+    """The CUDA crossing for ``device``, or ``None`` if it is unavailable or fails its self-check.
+
+    Args:
+        device: a torch CUDA device (with its index).
+        jax_device: the matching JAX device (looked up when ``None``).
+    """
+    try:
+        from jax._src.lib import _jax as jaxlib_ext
+
+        from hardware.devices import jax_device_for
+
+        convert = jaxlib_ext.dlpack_managed_tensor_to_buffer
+        to_dlpack = torch.utils.dlpack.to_dlpack
+        jax_device = jax_device or jax_device_for(device)
+        stream_handle = jax_device.get_stream_for_external_ready_events()
+        with torch.cuda.device(device):
+            external = torch.cuda.ExternalStream(stream_handle, device=device)
+            kind = int(torch.empty(1, device=device).__dlpack_device__()[0])
+    except Exception:
+        return None
+
+    def import_many(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:
+        if not tensors:
+            return ()
+        with torch.cuda.device(device):
+            units = [_storage.aligned(t, _storage.XLA_GPU_ALIGNMENT) for t in tensors]
+            external.wait_stream(torch.cuda.current_stream(device))  # one event, one wait
+            return tuple(
+                convert(to_dlpack(unit), jax_device, stream_handle, None, kind) for unit in units
+            )
+
+    candidate = Crossing("cuda", import_many, _crossing_public.export, host_is_device=False)
+    return candidate if self_check(candidate, device) else None
+
+
+def self_check(candidate: Crossing, device: torch.device) -> bool:
+    """Whether ``candidate`` reads what torch wrote last, over the same memory, and back."""
+    try:
+        with torch.cuda.device(device):
+            probe = torch.zeros(16, dtype=torch.float32, device=device)
+            sleep = getattr(torch.cuda, "_sleep", None)
+            if sleep is not None:
+                sleep(_PROBE_SLEEP_CYCLES)  # the write below waits behind it on torch's stream
+            probe.copy_(torch.arange(16, dtype=torch.float32, device=device))
+            (array,) = candidate.import_many([probe])
+            if address(array) != address(probe) or float(jnp.sum(array)) != 120.0:
+                return False
+            back = candidate.export(array * 2)
+            expected = torch.arange(0, 32, 2, dtype=torch.float32, device=device)
+            return bool(torch.equal(back, expected))
+    except Exception:
+        return False

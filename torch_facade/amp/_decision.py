@@ -1,0 +1,275 @@
+"""One iteration's overflow decision: read every gradient once, decide, hand out multipliers.
+
+:class:`Decider` takes the decision (once per iteration, at the first ``unscale_`` or ``step``):
+it reads the participating gradients where torch keeps them (:mod:`~torch_facade.amp._gradients`),
+puts the scaler state on their device, crosses into JAX through that device's crossing
+(:mod:`~torch_facade.amp._crossing`), calls the jitted core (in a distributed job, the local half,
+one all-gather, and the finish) and views the numbers torch needs. :class:`Decision` then answers
+what each optimizer's gradients are multiplied by, and whether the step may be applied.
+
+Lifetimes on an accelerator, where nothing here waits for the device: the imports (JAX views of
+torch's gradients) are kept by the decision until the scalars have been exported to torch, whose
+stream then waits for the core's read; a JAX result that torch reads (the scalars, the scale) is
+kept until the next decision's core has been queued behind torch's work, so that JAX cannot
+reuse its memory while a torch kernel may still read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import amp_core
+from torch_facade.amp import _bridge, _distributed, _gradients
+
+_CPU = torch.device("cpu")
+
+
+@dataclasses.dataclass
+class Decision:
+    """One iteration's overflow decision, taken once over every known optimizer's gradients.
+
+    ``outputs`` are the jitted core's results and ``scalars`` torch's views of the numbers it
+    needs (both ``None`` for static scaling, which never checks); the flag and the norm stay JAX
+    arrays until something asks for them.
+
+    Each optimizer's gradients go from scaled to unscaled (and clipped) in one multiply by
+    ``full``; or, when ``unscale_`` comes first with DLS + GCC, in two, as in the reference:
+    ``unscale`` there and ``clip`` at ``step``. ``pending`` holds what each optimizer's
+    gradients still need.
+    """
+
+    # What scaled gradients are multiplied by (None: nothing to do, static scaling by 1).
+    full: torch.Tensor | None
+    # The inverse scale alone, and the clip coefficient alone (None without DLS + GCC).
+    unscale: torch.Tensor | None
+    clip: torch.Tensor | None
+    # What each optimizer's gradients (by optimizer id) still need to be multiplied by.
+    pending: dict[int, torch.Tensor]
+    # Parameters (by id) whose gradients were read; None for static scaling, which reads none.
+    covered: frozenset[int] | None
+    # The state that scaled this iteration's gradients (on the gradients' device).
+    state_before: amp_core.LossScaleState
+    outputs: _bridge.FacadeStep | None = None
+    scalars: _bridge.StepScalars | None = None
+    # The torch view of the packed scalars (one host read gives all of them).
+    packed: torch.Tensor | None = None
+    # Optimizer steps the core counted on (the known optimizers at the decision).
+    expected_steps: int = 0
+    # The torch device of the gradients read (None when there were none).
+    device: torch.device | None = None
+    # Whether the host may read results without waiting for a device (the CPU).
+    host_is_device: bool = True
+    # Optimizers (by id) whose gradients the facade unscaled in place.
+    unscaled: set[int] = dataclasses.field(default_factory=set)
+    # Optimizers (by id) whose still-scaled gradients went to a fused kernel, which unscales
+    # them in place when it applies the step and leaves them alone when it skips it.
+    to_kernel: set[int] = dataclasses.field(default_factory=set)
+    scale_updated: bool = False
+    # Kept alive for the lifetimes described in the module docstring.
+    keep: tuple[Any, ...] = ()
+    _host_values: list[float] | None = None
+
+    def isfinite(self) -> torch.Tensor:
+        """The overflow flag as a new 0-d bool tensor (no host synchronisation).
+
+        A copy: the flag the skip decision reads must not change if the caller's tensor does.
+        """
+        if self.outputs is None:
+            return torch.tensor(True)
+        return _bridge.to_torch(self.outputs.isfinite).clone()
+
+    def host_values(self) -> list[float] | None:
+        """The packed scalars as Python floats: one host read (a wait for the device on an
+        accelerator), done at most once. ``None`` for static scaling."""
+        if self._host_values is None and self.packed is not None:
+            self._host_values = self.packed.tolist()
+        return self._host_values
+
+    def host_isfinite(self) -> bool:
+        """``isfinite`` as a Python bool (see :meth:`host_values`)."""
+        values = self.host_values()
+        return values is None or values[_FOUND_INF] == 0.0
+
+    def host_values_known(self) -> bool:
+        """Whether reading :meth:`host_values` now costs no wait for a device."""
+        return self.packed is None or self._host_values is not None or self.host_is_device
+
+    def join(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adds an optimizer (met after the decision) whose gradients the decision read."""
+        if self.full is not None:
+            self.pending[id(optimizer)] = self.full
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscales ``optimizer``'s gradients; with GCC the clip waits for ``step``."""
+        if self.pending.get(id(optimizer)) is not self.full:
+            return
+        if self.clip is None:
+            self.finish(optimizer)
+        else:
+            multiply(optimizer, self.unscale)
+            self.pending[id(optimizer)] = self.clip
+            self.unscaled.add(id(optimizer))
+
+    def finish(self, optimizer: torch.optim.Optimizer) -> None:
+        """Applies whatever ``optimizer``'s gradients still need."""
+        multiplier = self.pending.pop(id(optimizer), None)
+        if multiplier is not None:
+            multiply(optimizer, multiplier)
+            self.unscaled.add(id(optimizer))
+
+    def inverse_scale_of(self, optimizer: torch.optim.Optimizer) -> float:
+        """What ``optimizer``'s gradients must still be multiplied by to read them unscaled."""
+        if id(optimizer) in self.unscaled:
+            return 1.0
+        if id(optimizer) in self.to_kernel and self.host_isfinite():
+            return 1.0
+        return self.inverse_scale()
+
+    def inverse_scale(self) -> float:
+        """``1 / loss_scale`` of the state that scaled this iteration's gradients (amp_core's)."""
+        values = self.host_values()
+        if values is not None:
+            return values[_UNSCALE]
+        return float(_bridge.inverse_scale(self.state_before))
+
+
+_FOUND_INF = _bridge.StepScalars._fields.index("found_inf")
+_UNSCALE = _bridge.StepScalars._fields.index("unscale")
+
+
+def multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
+    """Multiplies ``optimizer``'s gradients in place by a 0-d float32 tensor."""
+    _gradients.multiply_(_gradients.local_tensors(params_of(optimizer)), multiplier)
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter of ``optimizer``, in param-group order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def groups_key(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[int, int], ...]:
+    """Identity and length of every param group's ``params`` list: what per-decision caches
+    check, so that ``add_param_group`` or a replaced ``params`` list looks again."""
+    return tuple(
+        (id(group["params"]), len(group["params"]))
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+    )
+
+
+class Decider:
+    """Takes one scaler's decisions.
+
+    Args:
+        process_group: the group whose ranks decide together (``None``: the default group, in a
+            job of more than one rank).
+    """
+
+    def __init__(self, process_group: Any) -> None:
+        self.process_group = process_group
+        # Static scaling's multiplier on a device, for the state it was computed from.
+        self._static: tuple[amp_core.LossScaleState, torch.device, torch.Tensor] | None = None
+
+    def static(
+        self,
+        state: amp_core.LossScaleState,
+        params: Sequence[torch.Tensor],
+        optimizers: Sequence[torch.optim.Optimizer],
+        identity: bool,
+    ) -> Decision:
+        """Static scaling never checks: every step is applied, gradients multiplied by 1/scale.
+
+        Only the device of the gradients is looked at (static scaling reads no gradient).
+        """
+        if identity:
+            return Decision(None, None, None, {}, None, state)
+        device = _gradients.device_of(params) or _CPU
+        cached = self._static
+        if cached is None or cached[0] is not state or cached[1] != device:
+            placed = _bridge.place_state(state, device)
+            cached = (state, device, _bridge.to_torch(_bridge.inverse_scale(placed)))
+            self._static = cached
+        multiplier = cached[2]
+        pending = {id(o): multiplier for o in optimizers}
+        return Decision(multiplier, multiplier, None, pending, None, state, device=device)
+
+    def dynamic(
+        self,
+        config: amp_core.DynamicLossScale,
+        state: amp_core.LossScaleState,
+        params: Sequence[torch.Tensor],
+        optimizers: Sequence[torch.optim.Optimizer],
+        placed_for: torch.device | None,
+    ) -> Decision:
+        """Reads the gradients of ``params`` once and decides (DLS, DLS + GCC).
+
+        Args:
+            config: the configuration (with ``max_gradient_norm`` for a fused clip).
+            state: the scaler state; moved onto the gradients' device unless ``placed_for``
+                says it is there already.
+            params: every participating parameter.
+            optimizers: the known optimizers (each counts one optimizer step).
+            placed_for: the torch device whose JAX device ``state`` is known to be on.
+        """
+        grads = _gradients.read(params)
+        self._check_meshes(grads)
+        device = grads.device or placed_for or _CPU
+        if device != placed_for:
+            state = _bridge.place_state(state, device)
+        crossing = _bridge.crossing_for(device)
+        branch_free = not crossing.host_is_device
+        steps = len(optimizers)
+        collective = _distributed.collective(self.process_group)
+        if collective is None:
+            arrays = _bridge.import_tensors(grads.sharded + grads.replicated)
+            out = _bridge.local_core(config, branch_free)(state, arrays, steps)
+            keep: tuple[Any, ...] = (arrays,)
+        else:
+            sharded = _bridge.import_tensors(grads.sharded)
+            replicated = _bridge.import_tensors(grads.replicated)
+            partials = _bridge.partials_core(branch_free)(state, sharded, replicated)
+            gathered = collective.gather(_bridge.to_torch(partials))
+            out = _bridge.distributed_core(config)(state, _bridge.to_jax(gathered), steps)
+            keep = (sharded, replicated, partials, gathered)
+        packed = _bridge.packed_scalars(out, crossing)
+        scalars = _bridge.StepScalars(*packed.unbind())
+        if collective is not None and crossing.host_is_device:
+            _check_consistent(scalars)
+        return Decision(
+            full=scalars.multiplier,
+            unscale=scalars.unscale,
+            clip=scalars.clip_multiplier if config.clips else None,
+            pending={id(o): scalars.multiplier for o in optimizers},
+            covered=grads.covered,
+            state_before=state,
+            outputs=out,
+            scalars=scalars,
+            packed=packed,
+            expected_steps=steps,
+            device=device,
+            host_is_device=crossing.host_is_device,
+            keep=keep,
+        )
+
+    def _check_meshes(self, grads: _gradients.GradientRead) -> None:
+        for mesh_group in grads.mesh_groups:
+            if not _distributed.same_ranks(mesh_group, self.process_group):
+                raise ValueError(
+                    "GradScaler's process group and the device mesh of the DTensor gradients "
+                    f"hold different ranks ({_distributed.ranks(self.process_group)} vs "
+                    f"{_distributed.ranks(mesh_group)}): the decision must be taken over the "
+                    "ranks that shard the gradients. Pass process_group=mesh.get_group()."
+                )
+
+
+def _check_consistent(scalars: _bridge.StepScalars) -> None:
+    if float(scalars.consistent) != 1.0:
+        raise RuntimeError(
+            "the ranks' GradScalers disagree on the loss scale or its counters, so their "
+            "decisions were not taken together: every rank must load the same state_dict "
+            "and call scale/unscale_/step/update in the same order"
+        )
