@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint format bench bench-large clean
+.PHONY: demo test lint format bench bench-large device-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ bench: $(STAMP)
 
 bench-large: $(STAMP)
 	$(PY) -m benchmarks --large
+
+# The device check (benchmarks/device_check.py): CUDA when torch sees a GPU, else the CPU. On a
+# machine without the venv: PYTHONPATH=. python -m benchmarks.device_check --device cuda --out DIR
+device-check: $(STAMP)
+	$(PY) -m benchmarks.device_check --out device_check_output --device \
+		$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -14,10 +14,16 @@ One process measures, with the variants interleaved round by round (sections of 
    (:mod:`benchmarks.ddp_bench`, two spawned processes);
 4. ``jax``: a jitted optax AdamW step alone and loss-scaled through ``amp_core``
    (:mod:`benchmarks.jax_bench`);
+5. ``host``: the host cost per gradient tensor, on 148 and 1,000 one-element gradients with
+   nothing to compute (:mod:`benchmarks.host_bench`; :mod:`benchmarks.host_profile` breaks the
+   facade's share down);
 
 and the compile time of the first step and the compilations after warm-up. Sizes:
 :mod:`benchmarks.sizes`. Results: a markdown report on the terminal and in
 ``bench_output/bench.md``, every raw number in ``bench_output/bench.json``.
+
+The device check (``python -m benchmarks.device_check``, ``make device-check``) is separate: see
+:mod:`benchmarks.device_check`.
 """
 
 from benchmarks.cli import main

@@ -6,6 +6,7 @@ Examples::
     python -m benchmarks --sections whole --sizes M # only whole iterations, at M
     python -m benchmarks --sections scaler,jax      # the scaler-only and JAX-native tables
     python -m benchmarks --no-ddp                   # everything but the 2-rank DDP row
+    python -m benchmarks --sections host            # host cost per gradient tensor (148, 1000)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import report
+from benchmarks import host_bench, report
 from benchmarks.ddp_bench import ITERS as DDP_ITERS
 from benchmarks.runner import DEFAULT_ROUNDS, SECTIONS, BenchOptions, run
 from benchmarks.sizes import DEFAULT_SIZES, SIZES
@@ -54,6 +55,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers."""
+    try:
+        counts = tuple(_positive(s.strip()) for s in text.split(",") if s.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected positive integers; got {text!r}") from error
+    if not counts:
+        raise argparse.ArgumentTypeError(f"expected positive integers; got {text!r}")
+    return counts
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m benchmarks``."""
     parser = argparse.ArgumentParser(
@@ -65,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
             "against torch.amp.GradScaler and a bare loop; 'scaler' = the scaler alone on "
             "gradients refilled in place, with the bandwidth floor; 'ddp' = whole iterations "
             "under DistributedDataParallel, 2 ranks on the CPU (small, noisy); 'jax' = the "
-            "JAX-native optax step. Prints a markdown report and writes it with a JSON file of "
-            "every raw number."
+            "JAX-native optax step; 'host' = the host cost per gradient tensor (one-element "
+            "gradients, nothing to compute). Prints a markdown report and writes it with a JSON "
+            "file of every raw number."
         ),
     )
     parser.add_argument(
@@ -91,8 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--sizes",
         type=_sizes,
         default=DEFAULT_SIZES,
-        help=f"comma-separated sizes among {', '.join(SIZES)} for every section but ddp "
-        f"(default {','.join(DEFAULT_SIZES)})",
+        help=f"comma-separated sizes among {', '.join(SIZES)} for every section but ddp and "
+        f"host (default {','.join(DEFAULT_SIZES)})",
+    )
+    parser.add_argument(
+        "--host-tensors",
+        type=_counts,
+        default=host_bench.TENSORS,
+        help="comma-separated gradient tensor counts of the host section (default "
+        f"{','.join(map(str, host_bench.TENSORS))})",
     )
     parser.add_argument("--large", action="store_true", help="also run the L size (~120M params)")
     parser.add_argument(
@@ -147,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes=sizes,
         sections=sections,
         ddp_size=args.ddp_size,
+        host_tensors=tuple(args.host_tensors),
         rounds=args.rounds,
         iters=args.iters,
         warmup=max(0, args.warmup),

@@ -83,10 +83,10 @@ def _load_note(meta: dict[str, Any], sizes: dict[str, Any]) -> list[str]:
         for name, s in sizes.items()
         if s.get("other_cpu_cores") is not None
     )
+    by_size = f" (by size: {per_size})" if per_size else ""
     text = (
         f"Other processes kept {other:.2f} of {meta['cpu_count']} cores busy on average "
-        f"during the run (by size: {per_size}); load average at start "
-        f"{meta.get('load_average_start')}."
+        f"during the run{by_size}; load average at start {meta.get('load_average_start')}."
     )
     if other > BUSY_CORES:
         text += (
@@ -119,8 +119,11 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         _thread_note(meta),
         "",
-        "Sizes: " + "; ".join(_size_text(name, s) for name, s in sizes.items()) + ".",
-        "",
+        *(
+            ["Sizes: " + "; ".join(_size_text(name, s) for name, s in sizes.items()) + ".", ""]
+            if sizes
+            else []
+        ),
         *_load_note(meta, sizes),
     ]
 
@@ -401,6 +404,62 @@ def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
+def _host_section(results: dict[str, Any], number: int) -> list[str]:
+    rows = results["host"]
+    out = [
+        f"## {number}. Host cost per gradient tensor: one-element gradients, nothing to compute "
+        "(ms per iteration)",
+        "",
+        "The CPU's stand-in for a launch-bound GPU loop. Model: N one-element parameters, loss "
+        "`torch.stack(params).sum()` (backward gives each a fresh, independent gradient); the "
+        "documented loop (`zero_grad()` with torch's default, `scale(loss).backward()`, `step`, "
+        '`update`) with `torch.amp.GradScaler("cpu")` and the facade\'s '
+        '`GradScaler(loss_scale="dynamic")`; bare: no scaler. Overhead: iteration minus the '
+        "bare iteration of the same round; us per tensor: overhead / N. Where the facade's "
+        "time goes: `python -m benchmarks.host_profile --tensors N`. Iterations per round: "
+        f"{_iters(results, 'host')}.",
+        "",
+        _overflow_note([{**r, "size": f"{r['tensors']} x 1", "clip": False} for r in rows]),
+        "",
+    ]
+    out += _table(
+        [
+            "tensors",
+            "optimizer",
+            "facade/torch overhead",
+            "bare",
+            "torch",
+            "facade",
+            "torch overhead",
+            "facade overhead",
+            "torch us/tensor",
+            "facade us/tensor",
+        ],
+        [
+            [
+                f"{r['tensors']:,}",
+                r["optimizer"],
+                _cell(r["overhead_ratio"], "x"),
+                *(
+                    _num(r[key]["median"])
+                    for key in (
+                        "bare_ms",
+                        "torch_ms",
+                        "facade_ms",
+                        "torch_overhead_ms",
+                        "facade_overhead_ms",
+                        "torch_us_per_tensor",
+                        "facade_us_per_tensor",
+                    )
+                ),
+            ]
+            for r in rows
+        ],
+        ["r", "l"] + ["r"] * 8,
+    )
+    return [*out, ""]
+
+
 def _compile_section(results: dict[str, Any], number: int) -> list[str]:
     out = [
         f"## {number}. Compilation",
@@ -439,6 +498,7 @@ def markdown(results: dict[str, Any]) -> str:
         (results["ddp"] is not None, _ddp_section),
         (bool(results["jax"]), _jax_section),
         (bool(results["bandwidth"]), _bandwidth_section),
+        (bool(results.get("host")), _host_section),
         (bool(results["compile"]), _compile_section),
     ]
     out = _header(results)

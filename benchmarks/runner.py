@@ -18,7 +18,7 @@ import optax
 import torch
 from tqdm import tqdm
 
-from benchmarks import bandwidth, ddp_bench, jax_bench, torch_bench, whole_bench
+from benchmarks import bandwidth, ddp_bench, host_bench, jax_bench, torch_bench, whole_bench
 from benchmarks.sizes import (
     SIZES,
     GradientSet,
@@ -43,10 +43,16 @@ from benchmarks.timing import (
 MS = 1e3
 DEFAULT_ROUNDS = 5
 
-SECTIONS = ("whole", "scaler", "ddp", "jax")
+HOST_ITERS = 20
+"""Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
+
+SECTIONS = ("whole", "scaler", "ddp", "jax", "host")
 """The sections, in report order: whole iterations of the documented loop; the scaler alone on
 gradients refilled in place (with the bandwidth floor); whole iterations under DDP (2 ranks);
-the JAX-native optax step."""
+the JAX-native optax step; the host cost per gradient tensor (one-element gradients)."""
+
+PER_SIZE_SECTIONS = ("whole", "scaler", "jax")
+"""The sections run once per size of ``--sizes``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +67,10 @@ class BenchOptions:
         warmup: untimed steps per variant after its first step.
         seed: seed of the models, tokens and gradients.
         progress: show a progress bar.
-        sections: which of :data:`SECTIONS` to run (the sizes apply to all but ``ddp``).
+        sections: which of :data:`SECTIONS` to run (the sizes apply to all but ``ddp`` and
+            ``host``).
         ddp_size: the model size of the DDP section.
+        host_tensors: the gradient tensor counts of the ``host`` section.
     """
 
     sizes: tuple[str, ...]
@@ -73,6 +81,7 @@ class BenchOptions:
     progress: bool = True
     sections: tuple[str, ...] = SECTIONS
     ddp_size: str = "S"
+    host_tensors: tuple[int, ...] = host_bench.TENSORS
 
 
 # Minimal traffic per parameter for the scaler's own work, by (optimizer, clip).
@@ -146,7 +155,7 @@ def _torch_rows(size: str, group: torch_bench.TorchGroup) -> list[dict[str, Any]
     ]
 
 
-def _whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]]:
+def whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]]:
     """Rows of a whole-iteration group; ``step_ratio`` is the ratio of whole iterations."""
     rows = []
     floor = group.timings.get(whole_bench.FLOOR)
@@ -172,6 +181,24 @@ def _whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]
             }
         )
     return rows
+
+
+def host_row(tensors: int, group: whole_bench.WholeGroup) -> dict[str, Any]:
+    """A host-cost row: the scaler pair without clipping, and each overhead per tensor in us."""
+    pair = _scaler_pair(group.timings, clip=False)
+    bare_r = group.timings["bare"].rounds
+    per_tensor = {}
+    for name in ("torch", "facade"):
+        over = per_round(difference, group.timings[name].rounds, bare_r)
+        per_tensor[f"{name}_us_per_tensor"] = _stats([v * 1e6 / tensors for v in over])
+    return {
+        "tensors": tensors,
+        "optimizer": group.optimizer,
+        **pair,
+        **per_tensor,
+        "torch_skipped_steps": group.skipped_steps["torch"],
+        "facade_skipped_steps": group.skipped_steps["facade"],
+    }
 
 
 def _jax_row(size: str, group: jax_bench.JaxGroup) -> dict[str, Any]:
@@ -278,6 +305,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "clip_norm": torch_bench.BIG_NORM,
         "whole_clip_norm": whole_bench.CLIP_NORM,
         "whole_batch": whole_bench.BATCH,
+        "host_tensors": list(options.host_tensors),
         "time_unit": "seconds in cases; milliseconds in *_ms rows",
     }
 
@@ -293,6 +321,8 @@ def _validate(options: BenchOptions) -> None:
         raise ValueError(f"unknown DDP size {options.ddp_size!r}; choose from {sorted(SIZES)}")
     if options.rounds < 1 or (options.iters is not None and options.iters < 1):
         raise ValueError("rounds and iters must be positive")
+    if "host" in options.sections and (not options.host_tensors or min(options.host_tensors) < 1):
+        raise ValueError(f"host tensor counts must be positive; got {options.host_tensors}")
 
 
 def _ticks(options: BenchOptions) -> int:
@@ -307,7 +337,12 @@ def _ticks(options: BenchOptions) -> int:
         per_size += group
     if "scaler" in options.sections or "jax" in options.sections:
         per_size += 1  # gradients
-    return len(options.sizes) * per_size + ("ddp" in options.sections)
+    host = len(options.host_tensors) * len(host_bench.OPTIMIZERS) * group
+    return (
+        len(options.sizes) * per_size
+        + ("ddp" in options.sections)
+        + ("host" in options.sections) * host
+    )
 
 
 class _Run:
@@ -329,6 +364,7 @@ class _Run:
             "jax": [],
             "bandwidth": [],
             "floor": [],
+            "host": [],
             "compile": [],
         }
 
@@ -405,7 +441,7 @@ class _Run:
                 )
                 self.tick()
                 self.add_cases("whole", size, group.label, group.timings, group.first)
-                self.results["whole"] += _whole_rows(size, group)
+                self.results["whole"] += whole_rows(size, group)
                 self.results["compile"] += _compile_rows(
                     size, "whole", group.label, _facades(group.first), group.timings
                 )
@@ -454,6 +490,30 @@ class _Run:
         self.results["jax"].append(_jax_row(size, group))
         self.results["compile"] += _compile_rows(size, "jax", "", group.first, group.timings)
 
+    def host(self) -> None:
+        """The host cost per gradient tensor: one-element gradients, every optimizer."""
+        plan = Plan(
+            rounds=self.options.rounds,
+            max_iters=self.options.iters or HOST_ITERS,
+            fixed_iters=self.options.iters is not None,
+            warmup=self.options.warmup,
+        )
+        for tensors in self.options.host_tensors:
+            for optimizer in host_bench.OPTIMIZERS:
+                self.bar.set_description(f"host: {tensors} tensors, {optimizer}")
+                group = host_bench.run_group(
+                    tensors, optimizer, plan, self.counter, self.tick, self.options.seed
+                )
+                self.tick()
+                name = host_bench.label(tensors)
+                self.add_cases("host", name, optimizer, group.timings, group.first)
+                self.results["host"].append(host_row(tensors, group))
+                self.results["compile"] += _compile_rows(
+                    name, "host", optimizer, _facades(group.first), group.timings
+                )
+                del group
+                gc.collect()
+
     def ddp(self) -> None:
         """Whole iterations under DDP, 2 ranks; a failure is recorded, not raised."""
         self.bar.set_description(f"DDP: {ddp_bench.WORLD_SIZE} ranks, {self.options.ddp_size}")
@@ -482,7 +542,7 @@ class _Run:
             tensors=result.tensors,
             params=result.params,
             seconds=result.seconds,
-            rows=_whole_rows(size, group),
+            rows=whole_rows(size, group),
         )
         self.add_cases("ddp", size, group.label, group.timings, group.first)
         self.results["compile"] += _compile_rows(
@@ -497,7 +557,8 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
     samples in seconds, its statistics, first step and compilations after warm-up), and the
     derived rows the tables show: ``whole`` (whole iterations), ``torch`` (scaler only,
     gradients refilled in place), ``ddp`` (settings, rows or error; ``None`` if not run),
-    ``jax``, ``bandwidth``, ``floor`` and ``compile``.
+    ``jax``, ``bandwidth``, ``floor``, ``host`` (host cost per gradient tensor) and
+    ``compile``.
 
     Args:
         options: what to run.
@@ -514,10 +575,13 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
     state = _Run(options, _meta(options, argv), counter, bar)
     results = state.results
     with counter.listening(), bar:
-        for size in options.sizes:
-            state.size(size)
+        if set(options.sections) & set(PER_SIZE_SECTIONS):
+            for size in options.sizes:
+                state.size(size)
         if "ddp" in options.sections:
             state.ddp()
+        if "host" in options.sections:
+            state.host()
     meta = results["meta"]
     meta["compiles_after_warmup_total"] = sum(
         case["compiles_after_warmup"] for case in results["cases"]
@@ -530,6 +594,6 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
 
 
 def _skipped_total(results: dict[str, Any]) -> int:
-    """Steps skipped for an overflow in every whole-iteration and DDP variant (must be 0)."""
-    rows = results["whole"] + ((results["ddp"] or {}).get("rows") or [])
+    """Steps skipped for an overflow in every whole-iteration, DDP and host variant (must be 0)."""
+    rows = results["whole"] + ((results["ddp"] or {}).get("rows") or []) + results["host"]
     return sum(r["torch_skipped_steps"] + r["facade_skipped_steps"] for r in rows)

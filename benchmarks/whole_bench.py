@@ -21,6 +21,12 @@ what torch must still do to the gradients: a non-fused optimizer's gradients mul
 facade's overhead minus the floor's is what its own decision logic costs. Each variant trains
 its own copy of one model; the loss scale is about 1 and the learning rate tiny, so every variant
 sees the same gradients on every iteration and no step overflows (checked after timing).
+
+The model, tokens and scalers live on the workload's device (``make_workload(..., device=)``):
+``torch.amp.GradScaler`` is made for that device type, and on a CUDA device every timed
+iteration ends with ``torch.cuda.synchronize()`` so that the clock reads finished work. A
+workload may carry another loss (:attr:`Workload.loss_fn`), e.g. the host-cost model of
+:mod:`benchmarks.host_bench`.
 """
 
 from __future__ import annotations
@@ -65,14 +71,23 @@ class Workload:
     """One size's model and batch; every variant trains a copy of the model on the same tokens.
 
     Attributes:
-        spec: the spec of the trained model (see :func:`benchmarks.sizes.model_spec`).
+        spec: the spec of the trained model (see :func:`benchmarks.sizes.model_spec`); ``None``
+            for a model that is not GPT-like.
         model: the initial model.
-        tokens: token ids of shape ``(batch, tokens + 1)``.
+        tokens: token ids of shape ``(batch, tokens + 1)``, on the model's device.
+        loss_fn: the loss of one iteration, ``loss_fn(model, tokens)`` (default: the mean
+            next-token cross-entropy).
     """
 
-    spec: SizeSpec
+    spec: SizeSpec | None
     model: nn.Module
     tokens: torch.Tensor
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = next_token_loss
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model and the tokens."""
+        return self.tokens.device
 
     @property
     def tensors(self) -> int:
@@ -86,7 +101,11 @@ class Workload:
 
 
 def make_workload(
-    spec: SizeSpec, seed: int = 0, batch: int = BATCH, token_seed: int | None = None
+    spec: SizeSpec,
+    seed: int = 0,
+    batch: int = BATCH,
+    token_seed: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> Workload:
     """Builds the model of ``spec``'s whole iterations and a batch of random tokens.
 
@@ -95,13 +114,15 @@ def make_workload(
         seed: seeds the initialisation (and the tokens, unless ``token_seed`` is given).
         batch: sequences per iteration.
         token_seed: seeds the tokens (e.g. one per DDP rank).
+        device: where the model and the tokens live (initialised on the CPU, then moved, so
+            that every device starts from the same numbers).
     """
     spec = model_spec(spec)
     torch.manual_seed(seed)
     model = GPTLike(spec)
     generator = torch.Generator().manual_seed(seed if token_seed is None else token_seed)
     tokens = random_tokens(spec, batch, min(TOKENS, spec.context), generator)
-    return Workload(spec, model, tokens)
+    return Workload(spec, model.to(device), tokens.to(device))
 
 
 def _facade_scaler(clip: bool) -> cstorch.amp.GradScaler:
@@ -114,8 +135,8 @@ def _facade_scaler(clip: bool) -> cstorch.amp.GradScaler:
     )
 
 
-def _torch_scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE, growth_interval=NEVER)
+def _torch_scaler(device_type: str) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler(device_type, init_scale=LOSS_SCALE, growth_interval=NEVER)
 
 
 class TrainLoop:
@@ -147,9 +168,13 @@ class TrainLoop:
         self.model = wrap(module)
         self.optimizer = OPTIMIZERS[optimizer](self.params)
         self.tokens = workload.tokens
+        self.loss_fn = workload.loss_fn
+        self.device = workload.device
         self.set_to_none = set_to_none
-        self.torch_scaler = _torch_scaler() if name.startswith("torch") else None
+        self.torch_scaler = _torch_scaler(self.device.type) if name.startswith("torch") else None
         self.facade = _facade_scaler(name == "facade+clip") if name.startswith("facade") else None
+        self._one = torch.ones((), device=self.device)  # the floor's grad_scale and multiplier
+        self._zero = torch.zeros((), device=self.device)  # the floor's found_inf
         steps = {
             "bare": self._bare,
             "torch": self._torch,
@@ -158,25 +183,34 @@ class TrainLoop:
             "facade+clip": self._facade,
             FLOOR: self._floor,
         }
-        self.step: Callable[[], None] = steps[name]
+        iteration = steps[name]
+        self.step: Callable[[], None] = (
+            _synchronized(iteration, self.device) if self.device.type == "cuda" else iteration
+        )
 
-    def _zero_grad_and_loss(self) -> torch.Tensor:
+    @property
+    def scaler(self) -> cstorch.amp.GradScaler | torch.amp.GradScaler | None:
+        """The variant's scaler (``None`` for the bare loop and the floor)."""
+        return self.facade if self.facade is not None else self.torch_scaler
+
+    def loss(self) -> torch.Tensor:
+        """``optimizer.zero_grad(set_to_none=...)``, then the forward pass: the iteration's loss."""
         self.optimizer.zero_grad(set_to_none=self.set_to_none)
-        return next_token_loss(self.model, self.tokens)
+        return self.loss_fn(self.model, self.tokens)
 
     def _bare(self) -> None:
-        self._zero_grad_and_loss().backward()
+        self.loss().backward()
         self.optimizer.step()
 
     def _torch(self) -> None:
         assert self.torch_scaler is not None
-        self.torch_scaler.scale(self._zero_grad_and_loss()).backward()
+        self.torch_scaler.scale(self.loss()).backward()
         self.torch_scaler.step(self.optimizer)
         self.torch_scaler.update()
 
     def _torch_clip(self) -> None:
         assert self.torch_scaler is not None
-        self.torch_scaler.scale(self._zero_grad_and_loss()).backward()
+        self.torch_scaler.scale(self.loss()).backward()
         self.torch_scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
         self.torch_scaler.step(self.optimizer)
@@ -184,17 +218,17 @@ class TrainLoop:
 
     def _facade(self) -> None:  # with clipping, the scaler clips (max_gradient_norm)
         assert self.facade is not None
-        self.facade.scale(self._zero_grad_and_loss()).backward()
+        self.facade.scale(self.loss()).backward()
         self.facade.step(self.optimizer)
         self.facade.update()
 
     def _floor(self) -> None:
-        self._zero_grad_and_loss().backward()
+        self.loss().backward()
         grads = [p.grad for p in self.params if p.grad is not None]
         _sum_of_squares(_bridge.import_tensors(grads)).block_until_ready()
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            self.optimizer.grad_scale = _ONE  # type: ignore[attr-defined]
-            self.optimizer.found_inf = _ZERO  # type: ignore[attr-defined]
+            self.optimizer.grad_scale = self._one  # type: ignore[attr-defined]
+            self.optimizer.found_inf = self._zero  # type: ignore[attr-defined]
             try:
                 self.optimizer.step()
             finally:
@@ -202,7 +236,7 @@ class TrainLoop:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
         else:
             with torch.no_grad():
-                torch._foreach_mul_(grads, _ONE)
+                torch._foreach_mul_(grads, self._one)
             self.optimizer.step()
 
     def skipped_steps(self) -> int:
@@ -219,8 +253,14 @@ class TrainLoop:
         return 0
 
 
-_ONE = torch.ones(())
-_ZERO = torch.zeros(())
+def _synchronized(iteration: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``iteration`` followed by a wait for ``device``: a timed call then returns finished work."""
+
+    def step() -> None:
+        iteration()
+        torch.cuda.synchronize(device)
+
+    return step
 
 
 @jax.jit

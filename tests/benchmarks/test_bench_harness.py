@@ -1,7 +1,8 @@
 """The benchmark harness runs end to end on small settings and emits every field (never a timing).
 
 The end-to-end run uses size S (20 tensors: its compilations are quicker than tiny's 148), every
-section, one timed step per round and two rounds. The report's rendering of other cases (sections
+section (the host-cost section with 3 and 5 one-element gradients), one timed step per round and
+two rounds. The report's rendering of other cases (sections
 left out, overflows, subnormals, a failed DDP section) is checked on edited copies of its results.
 """
 
@@ -22,6 +23,8 @@ from benchmarks import (
     bandwidth,
     cli,
     ddp_bench,
+    host_bench,
+    host_profile,
     jax_bench,
     report,
     runner,
@@ -47,6 +50,7 @@ CASE_KEYS = {
 }
 ROUNDS = 2
 S_TENSORS, S_PARAMS = 20, 1_068_800
+HOST_TENSORS = (3, 5)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,7 @@ def one_torch_thread() -> Iterator[None]:
 def run_dir(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Path:
     out = tmp_path_factory.mktemp("bench")
     argv = ["--sizes", "S", "--rounds", str(ROUNDS), "--iters", "1", "--warmup", "1"]
+    argv += ["--host-tensors", ",".join(map(str, HOST_TENSORS))]
     assert cli.main([*argv, "--out", str(out), "--no-progress"]) == 0
     return out
 
@@ -94,13 +99,17 @@ def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
         | {("jax", "optax", v) for v in jax_bench.VARIANTS}
         | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.WHOLE_VARIANTS}
         | {("ddp", DDP_GROUP, v) for v in whole_bench.VARIANTS}
+        | {("host", o, v) for o in host_bench.OPTIMIZERS for v in host_bench.VARIANTS}
     )
     cases = results["cases"]
     assert {(c["section"], c["group"], c["variant"]) for c in cases} == expected
-    assert len(cases) == len(expected)
+    assert len(cases) == len(expected) + (len(HOST_TENSORS) - 1) * len(host_bench.OPTIMIZERS) * len(
+        host_bench.VARIANTS
+    )
+    host_labels = {host_bench.label(n) for n in HOST_TENSORS}
     for case in cases:
         assert set(case) == CASE_KEYS
-        assert case["size"] == "S"
+        assert case["size"] in (host_labels if case["section"] == "host" else {"S"})
         _assert_stats(case["stats"])
         assert len(case["rounds"]) == ROUNDS
         assert case["iters"] == 1
@@ -146,6 +155,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         "jax",
         "bandwidth",
         "floor",
+        "host",
         "compile",
     }
     assert set(results["sizes"]) == {"S"}
@@ -219,6 +229,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         | {("whole", f"{v}, {g}") for g in WHOLE_GROUPS for v in facades}
         | {("ddp", f"{v}, DDP, {DDP_GROUP}") for v in facades}
         | {("jax", v) for v in jax_bench.VARIANTS}
+        | {("host", f"facade, {o}") for o in host_bench.OPTIMIZERS}
     )
     for row in results["compile"]:
         assert row["compiles_after_warmup"] == 0
@@ -252,7 +263,8 @@ HEADINGS = (
     "## 3. Whole iteration under DistributedDataParallel, 2 ranks",
     "## 4. JAX-native",
     "## 5. Bandwidth floor",
-    "## 6. Compilation",
+    "## 6. Host cost per gradient tensor",
+    "## 7. Compilation",
 )
 
 
@@ -271,7 +283,10 @@ def test_markdown_has_the_expected_rows(markdown: str) -> None:
         assert f"| {case} |" in markdown
     assert "| S | whole | facade, SGD fused, set_to_none=True |" in markdown
     assert "compilations after warm-up, all cases: 0" in markdown
-    assert markdown.count("No step overflowed") == 2  # whole and DDP
+    assert markdown.count("No step overflowed") == 3  # whole, DDP and host
+    for n in HOST_TENSORS:
+        for optimizer in host_bench.OPTIMIZERS:
+            assert f"| {n} | {optimizer} | " in markdown
     assert f"Sizes: S = {S_TENSORS} tensors, {S_PARAMS:,} params." in markdown
     for line in markdown.splitlines():
         if line.startswith("| S |"):
@@ -286,6 +301,7 @@ def test_markdown_renders_the_sections_that_ran(results: dict[str, Any]) -> None
         "jax": [],
         "bandwidth": [],
         "floor": [],
+        "host": [],
         "compile": [r for r in results["compile"] if r["section"] == "whole"],
     }
     text = report.markdown(whole_only)
@@ -301,6 +317,9 @@ def test_markdown_renders_the_sections_that_ran(results: dict[str, Any]) -> None
     text = report.markdown(scaler_only)
     assert "## 1. Scaler only, gradients refilled in place" in text
     assert "Whole iteration" not in text
+    host_only = {**results, "sizes": {}, "whole": [], "torch": [], "ddp": None, "jax": []}
+    text = report.markdown({**host_only, "bandwidth": [], "floor": [], "compile": []})
+    assert "## 1. Host cost per gradient tensor" in text and "Sizes:" not in text
 
 
 def test_markdown_reports_overflows_and_ddp_failures(results: dict[str, Any]) -> None:
@@ -407,27 +426,116 @@ def test_cli_selects_sections(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         ([], runner.SECTIONS),
         (["--sections", "whole"], ("whole",)),
         (["--sections", "scaler,jax"], ("scaler", "jax")),
-        (["--no-ddp"], ("whole", "scaler", "jax")),
+        (["--no-ddp"], ("whole", "scaler", "jax", "host")),
+        (["--sections", "host", "--host-tensors", "7,9"], ("host",)),
     ):
         with pytest.raises(SystemExit):
             cli.main([*argv, "--out", str(tmp_path)])
         assert seen[-1].sections == sections
     assert seen[0].sizes == sizes.DEFAULT_SIZES and seen[0].ddp_size == "S"
+    assert seen[0].host_tensors == host_bench.TENSORS and seen[-1].host_tensors == (7, 9)
     with pytest.raises(SystemExit, match="no section left"):
         cli.main(["--sections", "ddp", "--no-ddp"])
 
 
-@pytest.mark.parametrize("module", [timing, sizes, report])
+@pytest.mark.parametrize("module", [timing, sizes, report, host_bench])
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
 
 
 def test_bad_arguments_are_rejected() -> None:
-    for argv in (["--sizes", "XL"], ["--rounds", "0"], ["--sections", "all"], ["--ddp-size", "XL"]):
+    for argv in (
+        ["--sizes", "XL"],
+        ["--rounds", "0"],
+        ["--sections", "all"],
+        ["--ddp-size", "XL"],
+        ["--host-tensors", "0"],
+        ["--host-tensors", "a,b"],
+    ):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(argv)
     with pytest.raises(ValueError, match="unknown sizes"):
         runner.run(runner.BenchOptions(sizes=("XL",)))
     with pytest.raises(ValueError, match="unknown sections"):
         runner.run(runner.BenchOptions(sizes=("tiny",), sections=("whole", "floor")))
+
+
+def _assert_positive_stats(stats: dict[str, Any]) -> None:
+    _assert_stats(stats)
+    assert stats["median"] is not None and math.isfinite(stats["median"]) and stats["median"] > 0
+
+
+def test_host_rows_have_every_field(results: dict[str, Any]) -> None:
+    rows = results["host"]
+    assert {(r["tensors"], r["optimizer"]) for r in rows} == {
+        (n, o) for n in HOST_TENSORS for o in host_bench.OPTIMIZERS
+    }
+    for row in rows:
+        for key in ("bare_ms", "torch_ms", "facade_ms"):
+            _assert_positive_stats(row[key])
+        for key in (*COMPARISON_KEYS, "torch_us_per_tensor", "facade_us_per_tensor"):
+            _assert_stats(row[key])
+        over = row["facade_overhead_ms"]["median"]
+        assert math.isclose(row["facade_us_per_tensor"]["median"], over * 1e3 / row["tensors"])
+        assert row["torch_skipped_steps"] == row["facade_skipped_steps"] == 0
+    assert results["meta"]["host_tensors"] == list(HOST_TENSORS)
+
+
+def test_host_model_gives_independent_gradients() -> None:
+    workload = host_bench.make_workload(6)
+    assert workload.tensors == workload.params == 6
+    loop = whole_bench.TrainLoop("facade", "AdamW fused", True, workload)
+    loop.step()
+    loop.step()
+    grads = [p.grad for p in loop.params]
+    assert all(g is not None and not g._is_view() and float(g) == 1.0 for g in grads)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+    assert loop.skipped_steps() == 0
+    with pytest.raises(ValueError, match="tensors must be positive"):
+        host_bench.ScalarSum(0)
+
+
+def test_host_profile_breaks_the_time_down(tmp_path: Path, one_torch_thread: None) -> None:
+    assert (
+        host_profile.main(
+            [
+                "--tensors",
+                "4",
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+                "--top",
+                "5",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    result = json.loads((tmp_path / host_profile.JSON_NAME).read_text())
+    calls = result["calls"]
+    assert set(calls) == set(host_profile.VARIANTS)
+    assert set(calls["bare"]) == {"loss", "backward", "step"}
+    assert set(calls["facade"]) == {"loss", "scale", "backward", "step", "update", "scaler"}
+    for phases in calls.values():
+        for cell in phases.values():
+            assert cell["us"] >= 0 and math.isclose(cell["us_per_tensor"], cell["us"] / 4)
+    profile = result["profile"]
+    assert profile["iterations"] == 2 and profile["total_us_per_iteration"] > 0
+    assert 0 < len(profile["by_self"]) <= 5 and 0 < len(profile["by_cumulative"]) <= 5
+    assert any("torch_facade" in e["function"] for e in profile["by_cumulative"])
+    shares = [p["share"] for p in profile["by_package"]]
+    assert math.isclose(sum(shares), 1.0, rel_tol=1e-6)
+    text = (tmp_path / host_profile.MARKDOWN_NAME).read_text()
+    assert text.startswith("# Host profile: 4 one-element gradients, AdamW fused")
+    assert "| scaler |" in text and "Self time by package (built-ins charged" in text
+
+
+def test_time_calls_with_unscale(one_torch_thread: None) -> None:
+    workload = host_bench.make_workload(3)
+    loop = whole_bench.TrainLoop("torch", "SGD foreach", True, workload)
+    times = host_profile.time_calls(loop, unscale=True)
+    assert list(times) == ["loss", "scale", "backward", "unscale_", "step", "update"]
+    assert all(t >= 0 for t in times.values())
