@@ -14,7 +14,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale
+from amp_core.config import LossScaleConfig
 from amp_core.scaling import scale_loss
 from amp_core.state import LossScaleState
 from amp_core.transforms import loss_scale_state, with_loss_scaling
@@ -77,11 +77,6 @@ class LossScaledTrainState(train_state.TrainState):
             TypeError: ``config`` is not a loss-scaling configuration, or ``tx`` is not an
                 optax transformation.
         """
-        if not isinstance(config, (DynamicLossScale, StaticLossScale)):
-            raise TypeError(
-                "config must be an amp_core.DynamicLossScale or StaticLossScale; "
-                f"got {type(config).__name__}"
-            )
         state = super().create(
             apply_fn=apply_fn,
             params=params,

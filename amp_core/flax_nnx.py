@@ -11,7 +11,7 @@ import jax
 import optax
 from flax import nnx
 
-from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale
+from amp_core.config import LossScaleConfig
 from amp_core.scaling import scale_loss
 from amp_core.state import LossScaleState
 from amp_core.transforms import loss_scale_state, with_loss_scaling
@@ -81,11 +81,6 @@ class LossScaledOptimizer(nnx.Optimizer):
             TypeError: ``config`` is not a loss-scaling configuration, or ``tx`` is not an
                 optax transformation.
         """
-        if not isinstance(config, (DynamicLossScale, StaticLossScale)):
-            raise TypeError(
-                "config must be an amp_core.DynamicLossScale or StaticLossScale; "
-                f"got {type(config).__name__}"
-            )
         super().__init__(model, with_loss_scaling(tx, config), wrt=wrt, **kwargs)
         self.config = config
 

@@ -12,7 +12,7 @@ import optax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 from jax.extend.core.primitives import jit_p
 
-from amp_core.config import LossScaleConfig
+from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale
 from amp_core.scaling import apply_multiplier, check_and_update, scale_loss, unscale_and_check
 from amp_core.state import LossScaleState, init
 
@@ -55,6 +55,10 @@ def with_loss_scaling(
     Returns:
         A transformation whose state is a :class:`LossScaledState`.
 
+    Raises:
+        TypeError: ``inner`` is not an optax transformation, or ``config`` not a loss-scaling
+            configuration.
+
     Example:
         >>> import amp_core, jax, jax.numpy as jnp, optax
         >>> cfg = amp_core.DynamicLossScale(init_scale=2.0**10)
@@ -76,6 +80,11 @@ def with_loss_scaling(
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             f"inner must be an optax.GradientTransformation; got {type(inner).__name__}"
+        )
+    if not isinstance(config, (DynamicLossScale, StaticLossScale)):
+        raise TypeError(
+            "config must be an amp_core.DynamicLossScale or StaticLossScale; "
+            f"got {type(config).__name__}"
         )
 
     def init_fn(params: optax.Params) -> LossScaledState:

@@ -747,3 +747,24 @@ def test_apply_scaled_gradients_with_static_scale_never_skips():
     grads = {"w": jnp.array([4.0, jnp.inf])}
     new_params, _ = amp_core.apply_scaled_gradients(inner, cfg, grads, state, params)
     assert new_params["w"].tolist() == [0.5, -np.inf]
+
+
+@pytest.mark.parametrize(
+    ("inner", "config", "message"),
+    [
+        (
+            lambda g: g,
+            amp_core.DynamicLossScale(),
+            r"inner must be an optax\.GradientTransformation",
+        ),
+        (
+            optax.sgd(0.1),
+            {"loss_scale": "dynamic"},
+            r"config must be an amp_core\.DynamicLossScale.*dict",
+        ),
+    ],
+    ids=["inner", "config"],
+)
+def test_with_loss_scaling_rejects_what_is_not_a_transformation_or_a_config(inner, config, message):
+    with pytest.raises(TypeError, match=message):
+        amp_core.with_loss_scaling(inner, config)

@@ -197,6 +197,7 @@ def test_jax_started_by_someone_else_with_default_preallocation_warns_once_on_a_
         "import json, warnings, jax, torch\n"
         "jax.devices()  # the user's own JAX code started the backends first\n"
         "from torch_facade.amp import _jax_guest\n"
+        "_jax_guest._gpu_backend_works = lambda: True  # as with a CUDA jaxlib\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    _jax_guest.start(torch.device('cpu'))\n"
@@ -383,6 +384,41 @@ def test_the_unaligned_view_fallback_copies_only_what_xla_gpu_would_reject():
     copied = _storage.aligned(odd_view, _storage.XLA_GPU_ALIGNMENT)
     assert copied.data_ptr() % _storage.XLA_GPU_ALIGNMENT == 0
     assert copied.data_ptr() != odd_view.data_ptr() and torch.equal(copied, odd_view)
+
+
+def test_the_cuda_imports_copy_unaligned_views_then_wait_once_then_convert_each():
+    """The CUDA crossing's order of device operations, with recording stand-ins for them."""
+    events: list[tuple[str, object]] = []
+
+    class Guard:
+        def __enter__(self):
+            events.append(("enter guard", None))
+
+        def __exit__(self, *exc):
+            events.append(("exit guard", None))
+
+    real_clone = torch.Tensor.clone
+
+    def convert_one(tensor):
+        events.append(("convert", tensor.data_ptr()))
+        return tensor.data_ptr()
+
+    import_many = _crossing_cuda.ordered_imports(
+        Guard, lambda: events.append(("wait", None)), convert_one
+    )
+    flat = torch.arange(64, dtype=torch.float32)
+    aligned_view, odd_view, whole = flat[:16], flat[17:33], torch.ones(8)
+    try:
+        torch.Tensor.clone = lambda t: events.append(("copy", t.data_ptr())) or real_clone(t)
+        pointers = import_many([aligned_view, odd_view, whole])
+    finally:
+        torch.Tensor.clone = real_clone
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["enter guard", "copy", "wait", "convert", "convert", "convert", "exit guard"]
+    assert events[1][1] == odd_view.data_ptr()  # only the view XLA:GPU would refuse
+    assert pointers[0] == aligned_view.data_ptr() and pointers[2] == whole.data_ptr()
+    assert pointers[1] != odd_view.data_ptr() and pointers[1] % _storage.XLA_GPU_ALIGNMENT == 0
+    assert import_many([]) == ()
 
 
 def test_the_cuda_crossing_is_not_offered_without_a_working_gpu():

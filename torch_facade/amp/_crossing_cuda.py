@@ -20,7 +20,7 @@ README's "Sharing a GPU with torch").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -56,18 +56,37 @@ def crossing(device: torch.device, jax_device: Any | None = None) -> Crossing | 
     except Exception:
         return None
 
+    def convert_one(tensor: torch.Tensor) -> jax.Array:
+        return convert(to_dlpack(tensor), jax_device, stream_handle, None, kind)
+
+    import_many = ordered_imports(
+        lambda: torch.cuda.device(device),
+        lambda: external.wait_stream(torch.cuda.current_stream(device)),
+        convert_one,
+    )
+    candidate = Crossing("cuda", import_many, _crossing_public.export, host_is_device=False)
+    return candidate if self_check(candidate, device) else None
+
+
+def ordered_imports(
+    guard: Callable[[], Any], wait: Callable[[], Any], convert_one: Callable[[torch.Tensor], Any]
+) -> Callable[[Sequence[torch.Tensor]], tuple[jax.Array, ...]]:
+    """``import_many`` of the CUDA crossing, from its three device operations.
+
+    Under ``guard()``: every tensor XLA:GPU would refuse is copied first (on torch's stream),
+    then ``wait()`` makes JAX's external-ready stream wait once for all of torch's work queued so
+    far (the copies included), then each tensor is converted on that stream.
+    """
+
     def import_many(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:
         if not tensors:
             return ()
-        with torch.cuda.device(device):
+        with guard():
             units = [_storage.aligned(t, _storage.XLA_GPU_ALIGNMENT) for t in tensors]
-            external.wait_stream(torch.cuda.current_stream(device))  # one event, one wait
-            return tuple(
-                convert(to_dlpack(unit), jax_device, stream_handle, None, kind) for unit in units
-            )
+            wait()  # one event, one wait, after the copies
+            return tuple(map(convert_one, units))
 
-    candidate = Crossing("cuda", import_many, _crossing_public.export, host_is_device=False)
-    return candidate if self_check(candidate, device) else None
+    return import_many
 
 
 def self_check(candidate: Crossing, device: torch.device) -> bool:

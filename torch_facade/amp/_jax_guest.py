@@ -182,8 +182,8 @@ def _config_value(name: str) -> Any:
 def _warn_if_preallocated() -> None:
     """Warns once when JAX was started by someone else with the default preallocation."""
     global _warned_preallocation
-    if _warned_preallocation or user_chose_memory():
-        return
+    if _warned_preallocation or user_chose_memory() or not _gpu_backend_works():
+        return  # (a jaxlib without a GPU backend preallocates nothing)
     _warned_preallocation = True
     warnings.warn(
         "JAX's backends were started before the facade's first GPU decision, with JAX's "
