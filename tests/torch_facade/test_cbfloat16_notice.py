@@ -21,6 +21,9 @@ from facade_helpers import TinyNet, loss_of
 
 import torch_facade as cstorch
 
+# float16 models: the scaler's one-time note that it unscales them in their own dtype is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
+
 NOTICE = r"cbfloat16_numerics\(model\).*init_scale=2\*\*15"
 
 

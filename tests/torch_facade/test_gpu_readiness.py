@@ -266,6 +266,34 @@ def test_scale_copies_a_device_scale_to_a_cpu_loss_with_a_host_wait():
     assert scaler._scale_t.copies == [(torch.device("cpu"), False)]
 
 
+@pytest.mark.parametrize("small_gradient", [0, _storage.SMALL_GRADIENT], ids=["apart", "packed"])
+@pytest.mark.parametrize("accelerator_path", [False, True], ids=["cpu-path", "accelerator-path"])
+def test_a_decision_holds_no_gradient_after_it_is_taken(
+    small_gradient, accelerator_path, monkeypatch
+):
+    """Once the decision is taken, nothing of the facade keeps the gradients (or a packed copy)
+    alive: ``zero_grad()`` frees them, as without a scaler (no second set through backward)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(_storage, "SMALL_GRADIENT", small_gradient)
+    if accelerator_path:
+        chosen = accelerator_path_on_cpu()
+        monkeypatch.setattr(_bridge, "crossing_for", lambda device: chosen)
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    for step in range(3):
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    grads = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+    optimizer.zero_grad()
+    gc.collect()
+    assert grads and all(ref() is None for ref in grads)
+
+
 # --------------------------------------------------------------- the accelerator's jitted core
 
 

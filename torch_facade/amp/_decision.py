@@ -8,10 +8,13 @@ one all-gather, and the finish) and views the numbers torch needs. :class:`Decis
 what each optimizer's gradients are multiplied by, and whether the step may be applied.
 
 Lifetimes on an accelerator, where nothing here waits for the device: the imports (JAX views of
-torch's gradients) are kept by the decision until the scalars have been exported to torch, whose
-stream then waits for the core's read; a JAX result that torch reads (the scalars, the scale) is
-kept until the next decision's core has been queued behind torch's work, so that JAX cannot
-reuse its memory while a torch kernel may still read it.
+torch's gradients, and the packed copy of the small ones) live until the scalars have been
+exported to torch, whose stream then waits for the core's read; after that torch may free or
+reuse their memory, since its stream is ordered after JAX's read (they are not kept longer: that
+would hold a second set of gradients through the next backward pass). A JAX result that torch
+reads (the scalars, the scale, a distributed job's partial sums) is kept by the decision until
+the next decision's core has been queued behind torch's work, so that JAX cannot reuse its
+memory while a torch kernel may still read it.
 """
 
 from __future__ import annotations
@@ -227,15 +230,17 @@ class Decider:
         if collective is None:
             arrays = _bridge.import_tensors(grads.sharded + grads.replicated)
             out = _bridge.local_core(config, branch_free)(state, arrays, steps)
-            keep: tuple[Any, ...] = (arrays,)
+            keep: tuple[Any, ...] = ()
         else:
             sharded = _bridge.import_tensors(grads.sharded)
             replicated = _bridge.import_tensors(grads.replicated)
-            partials = _bridge.partials_core(branch_free)(state, sharded, replicated)
-            gathered = collective.gather(_bridge.to_torch(partials))
+            partials = _bridge.to_torch(
+                _bridge.partials_core(branch_free)(state, sharded, replicated)
+            )
+            gathered = collective.gather(partials)
             out = _bridge.distributed_core(config)(state, _bridge.to_jax(gathered), steps)
-            keep = (sharded, replicated, partials, gathered)
-        packed = _bridge.packed_scalars(out, crossing)
+            keep = (partials, gathered)
+        packed = _bridge.packed_scalars(out, crossing)  # the imports may go once this returns
         scalars = _bridge.StepScalars(*packed.unbind())
         if collective is not None and crossing.host_is_device:
             _check_consistent(scalars)
