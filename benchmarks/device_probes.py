@@ -23,6 +23,7 @@ import torch
 from benchmarks import host_profile, runner, whole_bench
 from benchmarks.sizes import SIZES
 from benchmarks.timing import CompileCounter, Plan
+from torch_facade.amp import _bridge, _crossing_cuda
 
 MEMORY_ITERATIONS = 5
 """Facade iterations after the first decision before memory is read again."""
@@ -126,6 +127,8 @@ def memory(device: torch.device, seed: int = 0) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "jax_initialized_before_first_decision": checkpoints[2]["jax_backends_initialized"],
         "scale_device": str(loop.facade.get_scale().device),
+        "crossing": _bridge.crossing_for(loop.facade._placed_for or torch.device(device)).name,
+        "cuda_crossing_failure": _crossing_cuda.last_failure,
         "xla_env_before": env_before,
         "xla_env_after": _xla_env(),
     }

@@ -103,7 +103,14 @@ def _memory(section: dict[str, Any]) -> list[str]:
             else f"n/a ({section.get('jax_memory_stats_reason')})"
         )
         + f". The scale lives on `{section.get('scale_device')}`; JAX initialized before the "
-        f"first decision: {section.get('jax_initialized_before_first_decision')}.",
+        f"first decision: {section.get('jax_initialized_before_first_decision')}. DLPack "
+        f"crossing: `{section.get('crossing')}`"
+        + (
+            f" (the CUDA one {section['cuda_crossing_failure']})"
+            if section.get("cuda_crossing_failure")
+            else ""
+        )
+        + ".",
     ]
     return out
 

@@ -33,6 +33,9 @@ from torch_facade.amp._crossing import Crossing, address
 # About 20 ms of device time at 1-2 GHz: long enough that an unordered read would see the zeros.
 _PROBE_SLEEP_CYCLES = 30_000_000
 
+last_failure: str | None = None
+"""Why the last :func:`crossing` returned ``None`` (the device check reports it)."""
+
 
 def crossing(device: torch.device, jax_device: Any | None = None) -> Crossing | None:
     """The CUDA crossing for ``device``, or ``None`` if it is unavailable or fails its self-check.
@@ -41,6 +44,7 @@ def crossing(device: torch.device, jax_device: Any | None = None) -> Crossing | 
         device: a torch CUDA device (with its index).
         jax_device: the matching JAX device (looked up when ``None``).
     """
+    global last_failure
     try:
         from jax._src.lib import _jax as jaxlib_ext
 
@@ -53,7 +57,8 @@ def crossing(device: torch.device, jax_device: Any | None = None) -> Crossing | 
         with torch.cuda.device(device):
             external = torch.cuda.ExternalStream(stream_handle, device=device)
             kind = int(torch.empty(1, device=device).__dlpack_device__()[0])
-    except Exception:
+    except Exception as error:
+        last_failure = f"unavailable: {type(error).__name__}: {error}"
         return None
 
     def convert_one(tensor: torch.Tensor) -> jax.Array:
@@ -65,7 +70,11 @@ def crossing(device: torch.device, jax_device: Any | None = None) -> Crossing | 
         convert_one,
     )
     candidate = Crossing("cuda", import_many, _crossing_public.export, host_is_device=False)
-    return candidate if self_check(candidate, device) else None
+    if self_check(candidate, device):
+        last_failure = None
+        return candidate
+    last_failure = "failed its self-check"
+    return None
 
 
 def ordered_imports(

@@ -87,9 +87,21 @@ class Decision:
 
     def host_values(self) -> list[float] | None:
         """The packed scalars as Python floats: one host read (a wait for the device on an
-        accelerator), done at most once. ``None`` for static scaling."""
+        accelerator), done at most once. ``None`` for static scaling.
+
+        Raises:
+            RuntimeError: the ranks of a distributed job disagreed on the scale or its counters
+                (checked whenever the values are read: at once on the CPU, at the first host
+                read on an accelerator).
+        """
         if self._host_values is None and self.packed is not None:
             self._host_values = self.packed.tolist()
+            if self._host_values[_CONSISTENT] != 1.0:
+                raise RuntimeError(
+                    "the ranks' GradScalers disagree on the loss scale or its counters, so their "
+                    "decisions were not taken together: every rank must load the same state_dict "
+                    "and call scale/unscale_/step/update in the same order"
+                )
         return self._host_values
 
     def host_isfinite(self) -> bool:
@@ -142,6 +154,7 @@ class Decision:
 
 _FOUND_INF = _bridge.StepScalars._fields.index("found_inf")
 _UNSCALE = _bridge.StepScalars._fields.index("unscale")
+_CONSISTENT = _bridge.StepScalars._fields.index("consistent")
 
 
 def multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
@@ -242,9 +255,7 @@ class Decider:
             keep = (partials, gathered)
         packed = _bridge.packed_scalars(out, crossing)  # the imports may go once this returns
         scalars = _bridge.StepScalars(*packed.unbind())
-        if collective is not None and crossing.host_is_device:
-            _check_consistent(scalars)
-        return Decision(
+        decision = Decision(
             full=scalars.multiplier,
             unscale=scalars.unscale,
             clip=scalars.clip_multiplier if config.clips else None,
@@ -259,6 +270,9 @@ class Decider:
             host_is_device=crossing.host_is_device,
             keep=keep,
         )
+        if collective is not None and crossing.host_is_device:
+            decision.host_values()  # free here; checks that the ranks agreed
+        return decision
 
     def _check_meshes(self, grads: _gradients.GradientRead) -> None:
         for mesh_group in grads.mesh_groups:
@@ -269,12 +283,3 @@ class Decider:
                     f"{_distributed.ranks(mesh_group)}): the decision must be taken over the "
                     "ranks that shard the gradients. Pass process_group=mesh.get_group()."
                 )
-
-
-def _check_consistent(scalars: _bridge.StepScalars) -> None:
-    if float(scalars.consistent) != 1.0:
-        raise RuntimeError(
-            "the ranks' GradScalers disagree on the loss scale or its counters, so their "
-            "decisions were not taken together: every rank must load the same state_dict "
-            "and call scale/unscale_/step/update in the same order"
-        )

@@ -76,10 +76,14 @@ def start(device: torch.device) -> None:
     global _started, _started_by_facade
     if not _started:
         if not backends_started():
-            index = device.index
-            if device.type == "cuda" and index is None:
+            kind, index = device.type, device.index
+            if kind == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+                # A CPU decision first (no gradients yet, a cbfloat16 cast) in a process whose
+                # torch uses a GPU: JAX opens that GPU only, as a GPU decision would have it.
+                kind = "cuda"
+            if kind == "cuda" and index is None:
                 index = torch.cuda.current_device()
-            with guest_settings(device.type, index, hip=torch.version.hip is not None):
+            with guest_settings(kind, index, hip=torch.version.hip is not None):
                 jax.devices()  # starts every backend, with the settings above
             _started_by_facade = True
         _started = True
