@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -162,3 +167,26 @@ def jax_compile_events() -> Iterator[list[str]]:
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str, timeout: float = 120, **env: str) -> dict:
+    """Runs ``code`` in a fresh interpreter (JAX not started yet), without the caller's JAX
+    memory settings (plus ``env``); ``code`` prints one JSON line, returned as a dict."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
+    environment.pop("XLA_CLIENT_MEM_FRACTION", None)
+    environment.update(env)
+    environment["PYTHONPATH"] = str(REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=environment,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

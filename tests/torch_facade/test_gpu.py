@@ -9,20 +9,14 @@ tests/torch_facade/test_gpu.py -p no:cacheprovider`` (the device check,
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from facade_helpers import run_python
 
 import torch_facade as cstorch
 from torch_facade.amp import _bridge, _storage
-
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -144,26 +138,9 @@ def test_a_non_fused_optimizer_reads_the_flag_once_per_iteration():
     assert len(syncs) == 3, [str(w.message) for w in syncs]
 
 
-def run_fresh(code: str) -> dict:
-    """Runs ``code`` in a fresh interpreter (JAX not started yet); it prints one JSON line."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
-    environment["PYTHONPATH"] = str(REPO)
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=environment,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def test_jax_takes_only_a_little_gpu_memory():
     """In a fresh process, with the defaults a user gets: JAX must not take 75% of the GPU."""
-    out = run_fresh(
+    out = run_python(  # a GPU process starts slowly
         "import json, torch, torch_facade as cstorch\n"
         "model = torch.nn.Linear(64, 64).cuda()\n"
         "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)\n"
@@ -177,7 +154,8 @@ def test_jax_takes_only_a_little_gpu_memory():
         "(device,) = scaler._state.loss_scale.devices()\n"
         "stats = device.memory_stats() or {}\n"
         "print(json.dumps({'drop': before - after, 'total': total,\n"
-        "                  'in_use': stats.get('bytes_in_use', 0)}))\n"
+        "                  'in_use': stats.get('bytes_in_use', 0)}))\n",
+        timeout=300,
     )
     assert out["in_use"] < 64 * 2**20, out
     # JAX's context, kernels and pool: a few hundred MiB at most, never 75% of the GPU.
@@ -211,7 +189,7 @@ def test_gradients_at_an_unaligned_offset_are_read(monkeypatch):
 def test_a_model_on_the_second_gpu():
     """In a fresh process: the facade then opens GPU 1 only for JAX (in this process JAX was
     started for another GPU by the tests before)."""
-    out = run_fresh(
+    out = run_python(  # a GPU process starts slowly
         "import json, torch, torch_facade as cstorch\n"
         "model = torch.nn.Linear(16, 4).to('cuda:1')\n"
         "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)\n"
@@ -220,6 +198,7 @@ def test_a_model_on_the_second_gpu():
         "scaler.scale(model(torch.ones(2, 16, device='cuda:1')).sum()).backward()\n"
         "scaler.step(optimizer); scaler.update()\n"
         "print(json.dumps({'placed': str(scaler._placed_for),\n"
-        "                  'finite': bool(scaler.get_isfinite())}))\n"
+        "                  'finite': bool(scaler.get_isfinite())}))\n",
+        timeout=300,
     )
     assert out == {"placed": "cuda:1", "finite": True}

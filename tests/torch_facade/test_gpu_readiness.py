@@ -19,19 +19,14 @@ here is checked:
 from __future__ import annotations
 
 import functools
-import json
-import os
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import pytest
 import torch
-from facade_helpers import DLS, INF, NAN, TinyNet, loss_of
+from facade_helpers import DLS, INF, NAN, TinyNet, loss_of, run_python
 
 import amp_core
 import torch_facade as cstorch
@@ -44,28 +39,6 @@ from torch_facade.amp import (
     _jax_guest,
     _storage,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_python(code: str, **env: str) -> dict:
-    """Runs ``code`` in a fresh interpreter; it prints one JSON line, returned as a dict."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
-    environment.pop("XLA_CLIENT_MEM_FRACTION", None)
-    environment.update(env)
-    environment["PYTHONPATH"] = str(REPO)
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=environment,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
 
 # What a backend start saw: recorded by a hook JAX calls on every backend it initializes.
 RECORD_BACKEND_STARTS = """
