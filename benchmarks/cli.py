@@ -23,7 +23,7 @@ from benchmarks.sizes import DEFAULT_SIZES, SIZES
 from benchmarks.torch_bench import WARMUP_STEPS
 
 
-def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
+def comma_names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
     """A comma-separated list of names among ``known``."""
     names = tuple(s.strip() for s in text.split(",") if s.strip())
     unknown = [s for s in names if s not in known]
@@ -35,7 +35,7 @@ def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
 
 
 def _sizes(text: str) -> tuple[str, ...]:
-    return _names(text, tuple(SIZES), "sizes")
+    return comma_names(text, tuple(SIZES), "sizes")
 
 
 def _size(text: str) -> str:
@@ -45,7 +45,7 @@ def _size(text: str) -> str:
 
 
 def _sections(text: str) -> tuple[str, ...]:
-    return _names(text, tuple(SECTIONS), "sections")
+    return comma_names(text, tuple(SECTIONS), "sections")
 
 
 def _positive(text: str) -> int:

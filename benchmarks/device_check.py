@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 from benchmarks import device_correctness, device_probes, device_report
+from benchmarks.cli import comma_names
 from benchmarks.report import _finite
 from benchmarks.sizes import SIZES
 from benchmarks.timing import CompileCounter, Plan
@@ -316,13 +317,7 @@ class DeviceCheck:
 
 
 def _timing_sizes(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SIZES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown sizes {unknown or text!r}; choose from {', '.join(SIZES)}"
-        )
-    return names
+    return list(comma_names(text, tuple(SIZES), "sizes"))
 
 
 def _progress(text: str) -> None:
@@ -331,13 +326,7 @@ def _progress(text: str) -> None:
 
 
 def _sections(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SECTIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown sections {unknown or text!r}; choose from {', '.join(SECTIONS)}"
-        )
-    return names
+    return list(comma_names(text, SECTIONS, "sections"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -97,6 +97,20 @@ def test_a_new_gradient_structure_compiles_once_more():
     assert _bridge.local_core(scaler.config)._cache_size() == 2
 
 
+def record_imports(monkeypatch) -> list[list[jax.Array]]:
+    """The arrays of every ``_bridge.import_tensors`` call from now on, one list per call."""
+    imported: list[list[jax.Array]] = []
+    original = _bridge.import_tensors
+
+    def recording(tensors):
+        arrays = original(tensors)
+        imported.append(list(arrays))
+        return arrays
+
+    monkeypatch.setattr(_bridge, "import_tensors", recording)
+    return imported
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_jax_reads_the_gradients_where_torch_keeps_them(set_to_none, monkeypatch):
     """No gradient copy: every array the core reads aliases a ``.grad``, fresh or persistent.
@@ -108,15 +122,7 @@ def test_jax_reads_the_gradients_where_torch_keeps_them(set_to_none, monkeypatch
     monkeypatch.setattr(_storage, "SMALL_GRADIENT", 0)
     model, half, optimizers, scaler = mixed_setup({"loss_scale": "dynamic", "init_scale": 2.0**8})
     params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    imported: list[list[jax.Array]] = []
-    original = _bridge.import_tensors
-
-    def recording(tensors):
-        arrays = original(tensors)
-        imported.append(list(arrays))
-        return arrays
-
-    monkeypatch.setattr(_bridge, "import_tensors", recording)
+    imported = record_imports(monkeypatch)
     for step in range(3):
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
@@ -147,15 +153,7 @@ def run_with_a_big_layer(monkeypatch, small_gradient: int):
     big = torch.nn.Linear(80, 64)  # a 5120-element weight, a 64-element bias
     model, half, optimizers, scaler = mixed_setup(DLS)
     optimizers[0].add_param_group({"params": list(big.parameters())})
-    imported: list[list[jax.Array]] = []
-    original = _bridge.import_tensors
-
-    def recording(tensors):
-        arrays = original(tensors)
-        imported.append(list(arrays))
-        return arrays
-
-    monkeypatch.setattr(_bridge, "import_tensors", recording)
+    imported = record_imports(monkeypatch)
     history = []
     for step in range(4):
         loss = loss_of(model, step) + big(torch.ones(2, 80)).square().mean()
