@@ -157,18 +157,27 @@ def _unscaled_f32(grad: jax.Array, inv: jax.Array) -> jax.Array:
 
 
 def _fused_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
-    return _sum_of_squares([_unscaled_f32(g, inv) for g in leaves])
+    halves = [_unscaled_f32(g, inv) for g in leaves if g.dtype != jnp.float32]
+    singles = [_unscaled_f32(g, inv) for g in leaves if g.dtype == jnp.float32]
+    return _sum_of_squares(halves) + _sum_of_squares(singles)
 
 
 def _chained_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
-    total = jnp.zeros((), jnp.float32)
+    # The order and association of sum_of_unscaled_squares: the other dtypes' leaves first, then
+    # the float32 leaves' own sum added to theirs.
     gate = inv  # a traced, non-NaN value: the first leaf waits for nothing
-    nan = jnp.float32(jnp.nan)
-    for grad in leaves:
-        unscaled = jnp.where(jnp.isnan(gate), nan, _unscaled_f32(grad, inv))
-        total = total + jnp.sum(jnp.square(unscaled))
-        gate = total
-    return total
+    totals = []
+    for group in (
+        [g for g in leaves if g.dtype != jnp.float32],
+        [g for g in leaves if g.dtype == jnp.float32],
+    ):
+        total = jnp.zeros((), jnp.float32)
+        for grad in group:
+            unscaled = jnp.where(jnp.isnan(gate), jnp.float32(jnp.nan), _unscaled_f32(grad, inv))
+            total = total + jnp.sum(jnp.square(unscaled))
+            gate = total if not totals else totals[0] + total
+        totals.append(total)
+    return totals[0] + totals[1]
 
 
 def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
