@@ -307,7 +307,8 @@ def _ddp_section(results: dict[str, Any], number: int) -> list[str]:
 
 
 def _ratio_cell(stats: dict[str, Any]) -> str:
-    return _cell(stats, "x") if stats["median"] is not None else "n/a"
+    """A ratio cell, or ``n/a`` where the ratio is undefined (``None`` in the JSON, NaN before)."""
+    return "n/a" if _num(stats["median"]) == "n/a" else _cell(stats, "x")
 
 
 def _step_section(results: dict[str, Any], number: int) -> list[str]:
@@ -324,7 +325,11 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
         "cross-entropy). Synthetic loss: `0.5*sum(p16**2)`, whose backward XLA fuses into "
         "AdamW's passes (the step is the optimizer's memory traffic). Floor: plain AdamW plus "
         "the gradients' global sum of squares, returned and unused (what a global norm costs "
-        "by itself). Peers as their documentation writes them "
+        "by itself). Gated floor: the same sum of squares, taken one leaf after the other as "
+        "`amp_core` takes it, with the gradients multiplied by `1 + min(norm**2, 0)` (exactly 1) "
+        "before AdamW: every update waits for the whole backward and the norm, as any decision "
+        "taken before the update makes it wait; no skip, no scaler state. Peers as their "
+        "documentation writes them "
         f"({versions}), with the same loss scale 1 + 2^-23 (no overflow, no growth); jmp with a "
         "float32 scale (its README's float16 one fails, below). Ratios: median [min, max] "
         "over rounds of the per-round ratio. Traces: how often the step was traced (1 = one "
@@ -337,7 +342,7 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
     losses = list(dict.fromkeys(row["loss"] for row in step["rows"]))
     header = ["variant", "to skip a step, the user writes", "counts skips"]
     for loss in losses:
-        header += [f"{loss} ms", f"{loss} / plain", f"{loss} / floor"]
+        header += [f"{loss} ms", f"{loss} / plain", f"{loss} / floor", f"{loss} / gated floor"]
     header.append("traces")
     body = []
     for name, cells in by_variant.items():
@@ -346,12 +351,13 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
         for loss in losses:
             row = cells.get(loss)
             if row is None:
-                line += ["n/a"] * 3
+                line += ["n/a"] * 4
                 continue
             line += [
                 _num(row["ms"]["median"]),
                 _ratio_cell(row["ratio_plain"]),
                 _ratio_cell(row["ratio_floor"]),
+                _ratio_cell(row["ratio_gated_floor"]),
             ]
         line.append("/".join(str(cells[loss]["traces"]) for loss in losses if loss in cells))
         body.append(line)

@@ -215,9 +215,15 @@ def host_row(tensors: int, group: whole_bench.WholeGroup) -> dict[str, Any]:
 
 
 def step_rows(group: step_bench.StepGroup) -> list[dict[str, Any]]:
-    """One row per variant of a whole-step group: ms, and per-round ratios to plain and floor."""
+    """One row per variant of a whole-step group: ms, and per-round ratios to plain optax, to
+    the floor and to the gated floor (``nan`` where that variant was not timed)."""
     plain = group.timings[step_bench.PLAIN].rounds
-    floor = group.timings[step_bench.FLOOR].rounds if step_bench.FLOOR in group.timings else None
+
+    def ratios(rounds: list[float], name: str) -> dict[str, float]:
+        if name not in group.timings:
+            return _stats([math.nan])
+        return _stats(per_round(ratio, rounds, group.timings[name].rounds))
+
     rows = []
     for name, timing in group.timings.items():
         usage = step_bench.USAGE[name]
@@ -227,9 +233,8 @@ def step_rows(group: step_bench.StepGroup) -> list[dict[str, Any]]:
                 "variant": name,
                 "ms": _stats(_ms(timing.rounds)),
                 "ratio_plain": _stats(per_round(ratio, timing.rounds, plain)),
-                "ratio_floor": _stats(
-                    per_round(ratio, timing.rounds, floor) if floor else [math.nan]
-                ),
+                "ratio_floor": ratios(timing.rounds, step_bench.FLOOR),
+                "ratio_gated_floor": ratios(timing.rounds, step_bench.GATED_FLOOR),
                 "traces": group.traces[name],
                 "skip": usage.skip,
                 "counts_skips": usage.counts_skips,

@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 import amp_core
+from amp_core.scaling import _in_step_sum_of_unscaled_squares
 from benchmarks.sizes import SizeSpec, shape_list
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 from benchmarks.torch_bench import LEARNING_RATE, LOSS_SCALE, NEVER
@@ -49,6 +50,7 @@ LOSSES = ("real forward", "synthetic loss")
 
 PLAIN = "optax adamw"
 FLOOR = "plain + global norm (floor)"
+GATED_FLOOR = "plain + global norm gating the update"
 WITH_LOSS_SCALING = "amp_core with_loss_scaling"
 APPLY_SCALED = "amp_core apply_scaled_gradients"
 JMP = "jmp"
@@ -58,7 +60,7 @@ MPX = "mpx"
 SCALERS = (WITH_LOSS_SCALING, APPLY_SCALED, JMP, FLAX, MPX)
 """The loss scalers, in table order."""
 
-VARIANTS = (PLAIN, FLOOR, *SCALERS)
+VARIANTS = (PLAIN, FLOOR, GATED_FLOOR, *SCALERS)
 """Every timed variant, in table order."""
 
 PEER_PACKAGES = {JMP: "jmp", FLAX: "flax", MPX: "mixed-precision-for-JAX"}
@@ -79,6 +81,11 @@ class Usage:
 USAGE: dict[str, Usage] = {
     PLAIN: Usage("(no loss scaling)", False),
     FLOOR: Usage("(no loss scaling; the norm is computed and returned, never used)", False),
+    GATED_FLOOR: Usage(
+        "(no loss scaling; the gradients enter AdamW multiplied by `1 + min(norm**2, 0)`, "
+        "exactly 1: the update waits for the norm, as any skip decision makes it)",
+        False,
+    ),
     WITH_LOSS_SCALING: Usage(
         "nothing: `tx.update` + `optax.apply_updates` skip inside (`-0.0` updates, old state)",
         True,
@@ -259,19 +266,30 @@ def _block(tree: Any) -> None:
 
 
 class _Plain(Runner):
-    def __init__(self, loss: Loss, tx: optax.GradientTransformation, params: Params, floor: bool):
+    """Plain optax; ``norm``: with the global sum of squares returned and unused (``"unused"``)
+    or gating the update (``"gating"``)."""
+
+    def __init__(
+        self, loss: Loss, tx: optax.GradientTransformation, params: Params, norm: str | None
+    ):
         super().__init__()
         self.carry = (params, tx.init(params))
 
         def step(params: Params, opt_state: Any, batch: Any) -> tuple[Any, ...]:
             self._traced()
             grads = jax.grad(loss)(params, batch)
+            if norm is None:
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+            leaves = jax.tree_util.tree_leaves(grads)
+            if norm == "unused":
+                total = sum(jnp.sum(jnp.square(g)) for g in leaves)
+            else:  # one leaf after the other, as amp_core does it inside a step
+                total = _in_step_sum_of_unscaled_squares(leaves, jnp.float32(1.0))
+                gate = 1 + jnp.minimum(total, 0)  # 1 for every sum, NaN for NaN
+                grads = jax.tree_util.tree_map(lambda g: g * gate, grads)
             updates, opt_state = tx.update(grads, opt_state, params)
-            out = (optax.apply_updates(params, updates), opt_state)
-            if floor:  # the global sum of squares, returned and unused
-                leaves = jax.tree_util.tree_leaves(grads)
-                return (*out, sum(jnp.sum(jnp.square(g)) for g in leaves))
-            return out
+            return optax.apply_updates(params, updates), opt_state, total
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
 
@@ -516,8 +534,9 @@ def build(
     """
     settings = settings or ScalerSettings()
     own = _copy(params)
-    if name in (PLAIN, FLOOR):
-        return _Plain(loss, tx, own, floor=name == FLOOR)
+    if name in (PLAIN, FLOOR, GATED_FLOOR):
+        norm = {PLAIN: None, FLOOR: "unused", GATED_FLOOR: "gating"}[name]
+        return _Plain(loss, tx, own, norm)
     if name in (WITH_LOSS_SCALING, APPLY_SCALED):
         return _AmpCore(loss, tx, own, settings, fused_apply=name == APPLY_SCALED)
     peers: dict[str, type[_Jmp | _Flax | _Mpx]] = {JMP: _Jmp, FLAX: _Flax, MPX: _Mpx}

@@ -566,7 +566,7 @@ def test_step_section_has_every_row_check_and_note(results: dict[str, Any], mark
         (loss, v) for loss in step_bench.LOSSES for v in step_bench.VARIANTS
     }
     for row in rows:
-        for key in ("ms", "ratio_plain", "ratio_floor"):
+        for key in ("ms", "ratio_plain", "ratio_floor", "ratio_gated_floor"):
             _assert_stats(row[key])
         assert row["traces"] >= 1
         assert row["skip"] == step_bench.USAGE[row["variant"]].skip
