@@ -9,8 +9,9 @@ Three plots, each written only when its section ran:
 * ``host_cost.png``: the host cost per gradient tensor, each scaler's overhead over the bare
   loop in us per tensor.
 
-Bars are medians over rounds; the error bars span the rounds' minimum to maximum. matplotlib
-draws with the Agg backend (no display needed).
+Bars are medians over rounds; the error bars span the rounds' minimum to maximum (the axis ends
+a little beyond the largest median: a round disturbed by another process may run off it).
+matplotlib draws with the Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def _spread(stats: list[dict[str, Any]]) -> tuple[list[float], list[list[float]]
     return medians, [below, above]
 
 
+def _limit(ax: Any, medians: list[float]) -> None:
+    """The value axis from 0 (or the smallest median) to a third beyond the largest median."""
+    finite = [m for m in medians if m == m]
+    if finite:
+        ax.set_xlim(min(0.0, min(finite) * 1.2), max(finite) * 1.35)
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -60,13 +68,16 @@ def plot_step(results: dict[str, Any], path: Path) -> Path:
     variants = list(dict.fromkeys(row["variant"] for row in step["rows"]))
     fig, ax = plt.subplots(figsize=(8.5, 0.32 * len(variants) * len(losses) + 1.5))
     height = 0.8 / max(1, len(losses))
+    every = []
     for index, loss in enumerate(losses):
         rows = {r["variant"]: r for r in step["rows"] if r["loss"] == loss}
         stats = [rows[v]["ratio_plain"] for v in variants if v in rows]
         positions = [i + index * height for i, v in enumerate(variants) if v in rows]
         medians, errors = _spread(stats)
+        every += medians
         bars = ax.barh(positions, medians, height, xerr=errors, capsize=2, label=loss)
         ax.bar_label(bars, labels=[f"{m:.2f}x" for m in medians], padding=3, fontsize=8)
+    _limit(ax, every)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks([i + height * (len(losses) - 1) / 2 for i in range(len(variants))])
     ax.set_yticklabels(variants)
@@ -76,7 +87,7 @@ def plot_step(results: dict[str, Any], path: Path) -> Path:
         f"JAX train step, {step['size']} ({step['tensors']} leaves, {step['params'] / 1e6:.1f}M "
         "params), float16 compute"
     )
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper right")
     return _save(fig, path)
 
 
@@ -93,12 +104,13 @@ def plot_whole(results: dict[str, Any], path: Path) -> Path:
     medians, errors = _spread([r["step_ratio"] for r in rows])
     bars = ax.barh(range(len(rows)), medians, xerr=errors, capsize=2, color="tab:green")
     ax.bar_label(bars, labels=[f"{m:.2f}x" for m in medians], padding=3, fontsize=7)
+    _limit(ax, medians)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([_whole_label(r) for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("facade iteration / torch.amp.GradScaler iteration (median; bars: min-max)")
-    ax.set_title("Whole iterations of the documented loop (zero_grad, forward, backward, step)")
+    ax.set_title("Whole iterations of the documented loop: facade / torch")
     return _save(fig, path)
 
 
@@ -109,18 +121,21 @@ def plot_host(results: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 1.6))
     labels = [f"{r['tensors']:,} tensors, {r['optimizer']}" for r in rows]
     height = 0.4
+    every = []
     for index, (name, color) in enumerate((("torch", "tab:blue"), ("facade", "tab:orange"))):
         medians, errors = _spread([r[f"{name}_us_per_tensor"] for r in rows])
+        every += medians
         positions = [i + index * height for i in range(len(rows))]
         label = "torch.amp.GradScaler" if name == "torch" else "facade"
         bars = ax.barh(positions, medians, height, xerr=errors, capsize=2, color=color, label=label)
         ax.bar_label(bars, labels=[f"{m:.2f}" for m in medians], padding=3, fontsize=8)
+    _limit(ax, every)
     ax.set_yticks([i + height / 2 for i in range(len(rows))])
     ax.set_yticklabels(labels)
     ax.invert_yaxis()
     ax.set_xlabel("overhead over the bare loop, us per gradient tensor (median; bars: min-max)")
     ax.set_title("Host cost per gradient tensor (one-element gradients)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     return _save(fig, path)
 
 
