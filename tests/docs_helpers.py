@@ -47,7 +47,9 @@ def python_blocks_script(text: str) -> tuple[str, int]:
             lines.append("")
         elif inside:
             if line.strip() and not line.startswith(" " * indent):
-                raise ValueError(f"line {number}: a python block's line is outdented past its fence")
+                raise ValueError(
+                    f"line {number}: a python block's line is outdented past its fence"
+                )
             lines.append(line[indent:])
         else:
             lines.append("")

@@ -40,7 +40,7 @@ def test_python_blocks_script_removes_the_indentation_of_blocks_in_list_items():
 def test_python_blocks_script_rejects_unclosed_and_outdented_blocks():
     with pytest.raises(ValueError, match="not closed"):
         python_blocks_script("```python\nx = 1\n")
-    with pytest.raises(ValueError, match="line 3: .* outdented"):
+    with pytest.raises(ValueError, match=r"line 3: .* outdented"):
         python_blocks_script("  ```python\n  x = 1\ny = 2\n  ```\n")
 
 

@@ -58,9 +58,17 @@ def read_inventory(path: Path) -> dict[str, str]:
 def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
     root = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    command = [
+        sys.executable,
+        "-m",
+        "mkdocs",
+        "build",
+        "--strict",
+        "--config-file",
+        str(MKDOCS_YML),
+    ]
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict"]
-        + ["--config-file", str(MKDOCS_YML), "--site-dir", str(root)],
+        [*command, "--site-dir", str(root)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -84,7 +92,9 @@ def test_mkdocs_yml_keeps_strict_mode_and_makes_no_network_request_at_build_time
     assert re.search(r"^strict: true$", config, re.MULTILINE)
     assert re.search(r"^  font: false$", config, re.MULTILINE)  # no Google Fonts
     # Inventories of other sites, and material's plugins that download fonts, images or assets.
-    fetching = re.findall(r"^\s*(?:inventories:|import:|- (?:privacy|social)\b).*$", config, re.MULTILINE)
+    fetching = re.findall(
+        r"^\s*(?:inventories:|import:|- (?:privacy|social)\b).*$", config, re.MULTILINE
+    )
     assert not fetching, f"mkdocs.yml fetches at build time: {fetching}"
 
 

@@ -20,7 +20,9 @@ from typing import Any
 import griffe
 
 _EXAMPLE_HEADING = re.compile(r"^(?P<indent>[ \t]*)Example:[ \t]*$", re.MULTILINE)
-_SPHINX_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|obj|exc):`(?P<tilde>~?)(?P<name>[^`]+)`")
+_SPHINX_ROLE = re.compile(
+    r":(?:func|class|meth|attr|mod|data|obj|exc):`(?P<tilde>~?)(?P<name>[^`]+)`"
+)
 
 
 def _role_as_code(match: re.Match[str]) -> str:
