@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +22,8 @@ def stacklevel(also_skip: tuple[str, ...] = ()) -> int:
         True
     """
     skipped = (_PACKAGE, *also_skip)
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skipped):
         frame, level = frame.f_back, level + 1
     return level
