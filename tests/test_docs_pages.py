@@ -79,9 +79,11 @@ def test_the_readme_and_the_guides_have_code_to_run():
         "docs/jax/sharding.md",
         "docs/pytorch/index.md",
         "docs/pytorch/optimizer-step.md",
+        "docs/pytorch/half-dtypes.md",
         "docs/pytorch/cbfloat16.md",
         "docs/pytorch/diagnostics.md",
         "docs/pytorch/modelzoo.md",
+        "docs/pytorch/trainers.md",
         "docs/distributed.md",
         "docs/formats.md",
     }
