@@ -12,6 +12,7 @@ mkdocstrings writes of every object it rendered), not against the Markdown that 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -177,3 +178,37 @@ def test_the_changelog_page_is_changelog_md(site: Site):
     for heading in headings[:5]:
         words = re.sub(r"[`*\[\]]", "", heading).split()[:3]
         assert " ".join(words) in re.sub(r"<[^>]+>", "", page), heading
+
+
+def _griffe_extension() -> Any:
+    path = REPO_ROOT / "docs" / "_griffe" / "docstrings.py"
+    spec = importlib.util.spec_from_file_location("docs_griffe_docstrings", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_griffe_extension_reads_the_house_style_as_griffe_expects():
+    text = (
+        "Summary, see :func:`amp_core.init` and :class:`~amp_core.state.LossScaleState`.\n"
+        "\n"
+        "The rule::\n"
+        "\n"
+        "    a = b[::2]\n"
+        "\n"
+        "Example:\n"
+        "    >>> 1 + 1\n"
+        "    2\n"
+    )
+    assert _griffe_extension().markdown_docstring(text) == (
+        "Summary, see `amp_core.init` and `LossScaleState`.\n"
+        "\n"
+        "The rule:\n"
+        "\n"
+        "    a = b[::2]\n"
+        "\n"
+        "Examples:\n"
+        "    >>> 1 + 1\n"
+        "    2\n"
+    )

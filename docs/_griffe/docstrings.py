@@ -8,6 +8,8 @@ differently, adjusted when griffe has loaded an object, before mkdocstrings rend
   becomes a broken link); renamed, it renders as code.
 * Sphinx roles (``:func:`amp_core.init```, ``:class:`~amp_core.LossScaleState```) are not
   Markdown; they become inline code (``~`` keeps the last component, as Sphinx shows it).
+* A paragraph ending in reST's literal-block marker ``::`` ends in ``:`` (the indented block
+  after it is already a Markdown code block).
 
 The docstrings themselves are untouched: ``pytest --doctest-modules`` runs them as written.
 """
@@ -20,6 +22,7 @@ from typing import Any
 import griffe
 
 _EXAMPLE_HEADING = re.compile(r"^(?P<indent>[ \t]*)Example:[ \t]*$", re.MULTILINE)
+_LITERAL_MARKER = re.compile(r"(?<=\S)::[ \t]*$", re.MULTILINE)
 _SPHINX_ROLE = re.compile(
     r":(?:func|class|meth|attr|mod|data|obj|exc):`(?P<tilde>~?)(?P<name>[^`]+)`"
 )
@@ -33,8 +36,10 @@ def _role_as_code(match: re.Match[str]) -> str:
 
 
 def markdown_docstring(text: str) -> str:
-    """``text`` with ``Example:`` headings spelled ``Examples:`` and Sphinx roles as code."""
+    """``text`` with ``Example:`` headings spelled ``Examples:``, Sphinx roles as code, and
+    reST's ``::`` as ``:``."""
     text = _EXAMPLE_HEADING.sub(r"\g<indent>Examples:", text)
+    text = _LITERAL_MARKER.sub(":", text)
     return _SPHINX_ROLE.sub(_role_as_code, text)
 
 
