@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from hardware.half_dtypes import DEFAULT_HALF_DTYPE, HALF_DTYPES
+from torch_facade.amp._host_side import host_side
 
 _PROXY_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -46,6 +47,7 @@ def _half_dtype_name(value: Any) -> str:
     )
 
 
+@host_side
 def set_half_dtype(value: str | torch.dtype) -> torch.dtype:
     """Sets the 16-bit floating point dtype of mixed precision, and enables mixed precision.
 
@@ -98,6 +100,7 @@ def get_half_dtype_str() -> str:
     return _STATE.half_dtype
 
 
+@host_side
 def enable_mixed_precision(enable: bool = True) -> bool:
     """Switches mixed precision on or off (the half dtype is kept), as the reference does.
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from torch_facade.amp._host_side import host_side
 from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list, _params
 
 
@@ -20,6 +21,7 @@ def _clip_value(value: Any, argument: str) -> float | None:
     return float(value)
 
 
+@host_side
 def optimizer_step(
     loss: torch.Tensor,
     optimizer: torch.optim.Optimizer
