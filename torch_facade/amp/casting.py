@@ -447,6 +447,6 @@ def disable_casts() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for device_type in _DEVICE_TYPES:
             if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+                stack.enter_context(_amp_state.autocast_off(device_type))
         stack.enter_context(_amp_state.casts_disabled())
         yield
