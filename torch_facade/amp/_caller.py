@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 from torch_facade.amp._host_side import WRAPPER_DIR
 
@@ -24,7 +25,8 @@ def stacklevel(also_skip: tuple[str, ...] = ()) -> int:
         True
     """
     skipped = (_PACKAGE, WRAPPER_DIR, *also_skip)
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skipped):
         frame, level = frame.f_back, level + 1
     return level

@@ -115,7 +115,7 @@ _STATE = _CastingState()
 
 
 def _fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn)))
 
 
 def _is_float_tensor(x: Any) -> bool:

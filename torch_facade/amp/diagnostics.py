@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import torch
@@ -185,7 +185,7 @@ class StallWatch:
             self.warned = False
             return
         count = int(values[_STALL])
-        if count < self.config.stall_steps:
+        if count < cast(int, self.config.stall_steps):  # resolved: never None
             self.warned = self.warned and count > 0
             return
         message = (

@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 import amp_core
@@ -69,7 +68,7 @@ def _truthy(value: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _with_clip_norm(config: amp_core.LossScaleConfig, norm: float) -> amp_core.LossScaleConfig:
+def _with_clip_norm(config: amp_core.DynamicLossScale, norm: float) -> amp_core.DynamicLossScale:
     """``config`` with DLS + GCC at ``norm``; cached: ``optimizer_step`` asks every iteration."""
     return dataclasses.replace(config, max_gradient_norm=norm)
 
@@ -197,7 +196,12 @@ class GradScaler:
         # In the first iteration, the parameters the scaled losses reach join the decision.
         self._discovering = True
         self._reached: list[torch.Tensor] = []
-        self._stall = StallWatch(self._config, self._raise_on_stall) if self._dynamic else None
+        config = self._config
+        self._stall = (
+            StallWatch(config, self._raise_on_stall)
+            if isinstance(config, amp_core.DynamicLossScale)
+            else None
+        )
         self._fused = FusedSteps()
         # The participating parameters, remembered while the param groups stay the same.
         self._participants_cache: tuple[tuple[Any, ...], list[torch.Tensor]] | None = None
@@ -321,7 +325,7 @@ class GradScaler:
         self._warned_dtype = pickled["warned_dtype"]
         self._start_session()
         # On the host, until the next decision places it (as after construction).
-        self._set_state(amp_core.LossScaleState(*(np.array(x) for x in pickled["state"])))
+        self._set_state(_bridge.host_state(pickled["state"]))
 
     # ------------------------------------- torch.amp.GradScaler internals that trainers call
 
@@ -681,8 +685,10 @@ class GradScaler:
         """
         if self._decision is not None:
             return self._decision
-        if self._dynamic:
-            config = self._config if clip_norm is None else _with_clip_norm(self._config, clip_norm)
+        config = self._config
+        if isinstance(config, amp_core.DynamicLossScale):
+            if clip_norm is not None:
+                config = _with_clip_norm(config, clip_norm)
             decision = self._decider.dynamic(
                 config, self._state, self._participants(), self._optimizers, self._placed_for
             )

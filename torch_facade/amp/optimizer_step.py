@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+import amp_core
 from torch_facade.amp._host_side import host_side
 from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list, _params
 
@@ -92,7 +93,7 @@ def optimizer_step(
     fused_clip = (
         norm is not None
         and norm > 0
-        and grad_scaler.config.is_dynamic
+        and isinstance(grad_scaler.config, amp_core.DynamicLossScale)
         and not grad_scaler.config.clips
         and set(map(id, grad_scaler._optimizers)) == set(map(id, optimizers))
     )
