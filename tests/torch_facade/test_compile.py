@@ -433,3 +433,25 @@ def test_static_scaling_and_the_accessors_in_compiled_code():
     compiled_scale, _ = compile_and_count(lambda: scaler.scale(1.0))
     with pytest.raises(TypeError, match=r"loss must be a torch\.Tensor"):
         compiled_scale()
+
+
+def test_first_iteration_discovery_sees_through_a_compiled_model():
+    """torch's multi-optimizer loop needs no registration in its first iteration: ``scale``
+    finds the parameters the loss reaches by walking its autograd graph, which through a
+    compiled model is the compiled graph's backward node (its inputs are the parameters)."""
+    torch._dynamo.reset()
+    model = make_model()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=INIT_SCALE)
+    compiled, _ = compile_and_count(model)
+    before = _snapshot(model.parameters())
+    xs, ys = make_batches()
+    scaler.scale(forward_loss(compiled, xs[0], ys[0])).backward()
+    model[2].weight.grad[0, 0] = float("inf")  # in the optimizer the scaler meets last
+    scaler.unscale_(first)  # the decision: it must already cover the second optimizer
+    scaler.step(first)
+    scaler.step(second)
+    scaler.update()
+    assert not bool(scaler.get_isfinite()) and int(scaler.get_num_skipped_steps()) == 2
+    assert all(torch.equal(b, a) for b, a in zip(before, model.parameters(), strict=True))
