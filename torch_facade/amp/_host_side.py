@@ -9,9 +9,11 @@ once, at the boundary: called from ``torch.compile``'d code, dynamo ends its gra
 calls, and resumes tracing after it. Called eagerly, the mark costs about a microsecond.
 
 What stays traceable (plain tensor arithmetic and reads of configuration) is left unmarked, so
-that it becomes part of the user's graph: ``GradScaler.scale``'s multiply by the scale tensor,
-``get_scale``, the half-dtype getters, ``autocast`` and the casting decorators. The README's and
-``docs/pytorch/compile.md``'s table lists each entry point and why.
+that it becomes part of the user's graph: ``get_scale``, the half-dtype getters, ``autocast``
+and the casting decorators. ``GradScaler.scale`` is marked although its result is one multiply:
+it also starts the iteration (stage checks, restores, first-iteration discovery), and its break
+sits next to the one ``.backward()`` makes anyway. ``docs/pytorch/compile.md``'s table lists
+each entry point and why.
 """
 
 from __future__ import annotations
