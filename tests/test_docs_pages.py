@@ -84,6 +84,8 @@ def test_the_readme_and_the_guides_have_code_to_run():
         "docs/pytorch/diagnostics.md",
         "docs/pytorch/modelzoo.md",
         "docs/pytorch/trainers.md",
+        "docs/pytorch/compile.md",
+        "docs/pytorch/huggingface.md",
         "docs/distributed.md",
         "docs/formats.md",
     }

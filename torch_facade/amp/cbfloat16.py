@@ -55,6 +55,7 @@ from torch.nn.utils import parametrize
 
 from hardware import get_format, jax_device_for
 from torch_facade.amp import _bridge
+from torch_facade.amp._host_side import host_side
 
 __all__ = ["cast_to_cbfloat16", "cbfloat16_numerics", "round_to_cbfloat16"]
 
@@ -122,10 +123,12 @@ class _CastToCbfloat16(_RoundToCbfloat16):
     """A cast: rounds the values, and rounds the incoming gradient in the backward pass."""
 
     @staticmethod
+    @host_side  # torch's autograd engine calls it: the facade's other entry point into JAX
     def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
         return _round_values(grad_output).to(ctx.input_dtype)
 
 
+@host_side
 def cast_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     """Casts a floating tensor to cbfloat16 (in float32) in both directions, like ``.to(dtype)``.
 
@@ -148,6 +151,7 @@ def cast_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     return _CastToCbfloat16.apply(_check_floating_tensor(tensor, "tensor"))
 
 
+@host_side
 def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     """Rounds a floating tensor to the nearest cbfloat16 values, bit-exactly.
 

@@ -13,6 +13,7 @@ import torch
 import amp_core
 from torch_facade.amp import _bridge, _caller, _dtensor, _storage
 from torch_facade.amp._decision import Decision
+from torch_facade.amp._host_side import host_side
 
 
 class LossScaleStalledError(RuntimeError):
@@ -150,6 +151,7 @@ class _Readable(Protocol):
     def get_isfinite(self) -> torch.Tensor: ...
 
 
+@host_side
 def scaler_metrics(scaler: _Readable, *, as_tensors: bool = False) -> dict[str, Any]:
     """The scaler's numbers for a logger, under the names the Cerebras modelzoo logs.
 

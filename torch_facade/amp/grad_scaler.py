@@ -31,6 +31,7 @@ from torch_facade.amp import (
 from torch_facade.amp._amp_state import get_half_dtype_str
 from torch_facade.amp._decision import Decider, Decision, groups_key, params_of
 from torch_facade.amp._fused import FusedSteps
+from torch_facade.amp._host_side import host_side
 from torch_facade.amp.diagnostics import LossScaleStalledError, StallWatch, overflow_report
 
 __all__ = ["GradScaler", "LossScaleStalledError"]
@@ -142,6 +143,7 @@ class GradScaler:
         tensor(32768.)
     """
 
+    @host_side
     def __init__(
         self,
         loss_scale: str | float | None = None,
@@ -223,14 +225,17 @@ class GradScaler:
         self._scale_t = (
             _bridge.to_torch(state.loss_scale) if scalars is None else scalars.loss_scale
         )
-        # Static scaling by exactly 1 needs no arithmetic at all.
-        self._identity = not self._dynamic and float(self._scale_t) == 1.0
+        # Static scaling: the scale as a Python float (get_scale() returns it; compiled code
+        # reads it without a host read). By exactly 1 it needs no arithmetic at all.
+        self._static_scale = None if self._dynamic else float(self._scale_t)
+        self._identity = self._static_scale == 1.0
 
     @property
     def config(self) -> amp_core.LossScaleConfig:
         """The resolved ``amp_core`` configuration (every default filled in)."""
         return self._config
 
+    @host_side
     def state_dict(self, destination: dict[str, Any] | None = None) -> dict[str, Any]:
         """Returns the real scaler state for a checkpoint (a host synchronisation).
 
@@ -256,6 +261,7 @@ class GradScaler:
             result[key] = torch.tensor(value, dtype=dtype)
         return result
 
+    @host_side
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads the keys present in ``state_dict``; absent keys keep their values.
 
@@ -364,10 +370,11 @@ class GradScaler:
             >>> cstorch.amp.GradScaler(loss_scale=8.0).get_scale()
             8.0
         """
-        if not self._dynamic:
-            return float(self._scale_t)
+        if self._static_scale is not None:
+            return self._static_scale
         return self._scale_t.clone()
 
+    @host_side
     def get_non_clamped_scale(self) -> torch.Tensor | float:
         """The scale of the last update after the max clamp and before the min clamp.
 
@@ -385,6 +392,7 @@ class GradScaler:
         value = _bridge.to_torch(self._state.non_clamped_scale)
         return value.clone() if self._dynamic else float(value)
 
+    @host_side
     def get_num_skipped_steps(self) -> torch.Tensor:
         """Optimizer steps skipped for overflow so far (int64 tensor; 0 for static scaling).
 
@@ -404,6 +412,7 @@ class GradScaler:
         """
         return _bridge.to_torch(self._state.num_skipped_steps).to(torch.int64)
 
+    @host_side
     def get_isfinite(self) -> torch.Tensor:
         """The skip signal: whether this iteration's (or else the last) step was finite.
 
@@ -426,6 +435,7 @@ class GradScaler:
             return self._decision.isfinite()
         return _bridge.to_torch(self._state.isfinite).clone()
 
+    @host_side
     def get_global_norm(self) -> torch.Tensor:
         """The global L2 norm of this iteration's (or else the last) unscaled gradients.
 
@@ -448,8 +458,13 @@ class GradScaler:
 
     # --------------------------------------------------------------- the loop
 
+    @host_side
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Scales the loss before the backward pass: ``loss.float() * scale``.
+
+        It also starts the iteration (checks, restores what ``update_if_finite`` marked, and in
+        the first iteration finds the parameters the loss reaches), so in ``torch.compile``'d
+        code it runs eagerly, behind a graph break just before the one ``.backward()`` makes.
 
         Raises:
             TypeError: ``loss`` is not a tensor.
@@ -482,6 +497,7 @@ class GradScaler:
             scale = _gradients.on_device(scale, loss.device)  # a CPU 0-d tensor needs no copy
         return loss.float() * scale
 
+    @host_side
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscales the gradients of ``optimizer``'s parameters in place.
 
@@ -520,6 +536,7 @@ class GradScaler:
         self._decide().unscale_(optimizer)
         self._stages[optimizer] = _Stage.UNSCALED
 
+    @host_side
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscales (if needed), checks for overflow once per iteration, and steps if finite.
 
@@ -553,6 +570,7 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
         return self.step_if_finite(optimizer, *args, **kwargs)
 
+    @host_side
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Calls ``optimizer.step(*args, **kwargs)`` only if this iteration's gradients are finite.
 
@@ -584,6 +602,7 @@ class GradScaler:
         self._stages[optimizer] = _Stage.STEPPED
         return result
 
+    @host_side
     def clip_gradients_and_return_isfinite(
         self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]
     ) -> torch.Tensor:
@@ -614,6 +633,7 @@ class GradScaler:
                 self._stages[optimizer] = _Stage.UNSCALED
         return decision.isfinite()
 
+    @host_side
     def update_scale(self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
         """Applies the dynamic-loss-scaling update (SPEC section 2) for this iteration, once.
 
@@ -648,6 +668,7 @@ class GradScaler:
             self._set_state(state, placed_for=decision.device)
         decision.scale_updated = True
 
+    @host_side
     def update(self, new_scale: Any = None) -> None:
         """Updates the scale once all optimizers have been stepped, and starts a new iteration.
 
@@ -696,6 +717,7 @@ class GradScaler:
 
     # ------------------------------------------------------------ diagnostics
 
+    @host_side
     def nonfinite_gradients(self, module: torch.nn.Module | None = None) -> Any:
         """Which gradients held inf or NaN at this iteration's (or the last) decision.
 

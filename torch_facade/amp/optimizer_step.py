@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 import amp_core
+from torch_facade.amp._host_side import host_side
 from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list, _params
 
 
@@ -21,6 +22,7 @@ def _clip_value(value: Any, argument: str) -> float | None:
     return float(value)
 
 
+@host_side
 def optimizer_step(
     loss: torch.Tensor,
     optimizer: torch.optim.Optimizer
