@@ -274,8 +274,8 @@ def apply_scaled_gradients(
     them into the optimizer's own passes, and a skipped step returns the parameters and inner
     state it was given (bit-identical by construction) without doing the optimizer's arithmetic
     at all. Under ``jax.jit`` with the parameters and state donated a step costs about what the
-    wrapper's does, a little more than the plain optimizer's (see the docs' Performance page,
-    docs/performance.md); the wrapper computes the inner update on skipped steps too and discards it.
+    wrapper's does, a little more than the plain optimizer's (see docs/performance.md); the
+    wrapper computes the inner update on skipped steps too and discards it.
 
     Args:
         inner: the optimizer, e.g. ``optax.adamw(1e-3)`` (the same one given to
