@@ -459,7 +459,8 @@ class StepResult(NamedTuple):
     Example:
         >>> import amp_core, jax.numpy as jnp
         >>> config = amp_core.DynamicLossScale(init_scale=4.0)
-        >>> result = amp_core.check_and_update(config, amp_core.init(config), [jnp.array([jnp.inf])])
+        >>> grads = [jnp.array([jnp.inf])]
+        >>> result = amp_core.check_and_update(config, amp_core.init(config), grads)
         >>> bool(result.isfinite), float(result.multiplier), float(result.next_state.loss_scale)
         (False, 0.25, 2.0)
     """

@@ -466,7 +466,8 @@ reserved for inf/NaN, gradual underflow, round-to-nearest-even, overflow to inf.
 
 Example:
     >>> import hardware
-    >>> hardware.CBFLOAT16.max == (2 - 2**-9) * 2**31, hardware.CBFLOAT16.smallest_subnormal == 2**-39
+    >>> cb16 = hardware.CBFLOAT16
+    >>> cb16.max == (2 - 2**-9) * 2**31, cb16.smallest_subnormal == 2**-39
     (True, True)
     >>> hardware.CBFLOAT16.round([65504.0, 5e9]).tolist()  # 65504 rounds up; beyond max: inf
     [65536.0, inf]

@@ -59,11 +59,11 @@ class OverflowReport:
 
     Example:
         >>> import torch_facade as cstorch
-        >>> report = cstorch.amp.OverflowReport({"fc.weight": 3, "fc.bias": 0}, total=4)
-        >>> bool(report)
-        True
+        >>> report = cstorch.amp.OverflowReport({"fc.weight": 3, "fc.bias": 1}, total=4)
+        >>> bool(report), report.gradients["fc.weight"]
+        (True, 3)
         >>> print(report)
-        2 of 4 gradients non-finite: fc.weight (3 elements), fc.bias (finite values too large to square in float32)
+        2 of 4 gradients non-finite: fc.weight (3 elements), fc.bias (1 element)
     """
 
     gradients: dict[str, int]
