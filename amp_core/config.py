@@ -95,7 +95,7 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         half = canonical_half_dtype(self.half_dtype, argument="half_dtype")
         defaults = loss_scale_defaults(half)
-        resolved = {
+        resolved: dict[str, Any] = {
             "half_dtype": half,
             "init_scale": positive_finite(
                 "init_scale", _default(self.init_scale, defaults.init_scale)
@@ -147,7 +147,15 @@ _MAX_COUNTER = int(np.iinfo(np.int32).max)
 """Step counters are int32 in the state: ``steps_per_increase`` must fit."""
 
 LossScaleConfig = StaticLossScale | DynamicLossScale
-"""Either kind of loss-scaling configuration."""
+"""Either kind of loss-scaling configuration.
+
+Example:
+    >>> import amp_core
+    >>> isinstance(amp_core.make_config("dynamic"), amp_core.LossScaleConfig)
+    True
+    >>> amp_core.make_config(128.0)
+    StaticLossScale(loss_scale=128.0)
+"""
 
 
 def make_config(
@@ -260,7 +268,7 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, numbers.Integral):
         number = int(value)
     elif isinstance(value, numbers.Real) and float(value).is_integer():
-        number = int(value)
+        number = int(float(value))
     elif isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a whole number; got {value!r}")
     else:

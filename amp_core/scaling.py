@@ -7,7 +7,7 @@ each gradient's dtype.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,16 @@ from amp_core.config import DynamicLossScale, LossScaleConfig
 from amp_core.state import COUNTER_DTYPE, LossScaleState
 
 CLIP_EPSILON = 1e-6
-"""Added to the global norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does."""
+"""Added to the global norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
+
+Example:
+    >>> import amp_core, numpy as np
+    >>> amp_core.CLIP_EPSILON
+    1e-06
+    >>> coefficient = amp_core.clip_coefficient(np.float32(4.0), 2.0)  # the norm 4, clipped to 2
+    >>> bool(coefficient == np.float32(2.0) / np.float32(4.0 + amp_core.CLIP_EPSILON))
+    True
+"""
 
 
 class GradCheck(NamedTuple):
@@ -29,6 +38,13 @@ class GradCheck(NamedTuple):
         isfinite: whether the step may be applied (bool, 0-d; always ``True`` for static
             scaling, which never checks).
         global_norm: the global L2 norm of the unscaled, unclipped gradients (float32, 0-d).
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> config = amp_core.DynamicLossScale(init_scale=4.0)
+        >>> check = amp_core.check_grads(config, amp_core.init(config), [jnp.array([12.0, 16.0])])
+        >>> float(check.multiplier), bool(check.isfinite), float(check.global_norm)
+        (0.25, True, 5.0)
     """
 
     multiplier: jax.Array
@@ -284,7 +300,7 @@ def check_sum_of_squares(
     """
     inv_scale = jnp.float32(1.0) if unscaled else inverse_scale(state)
     norm = jnp.sqrt(_scalar("sum_of_squares", sum_of_squares))
-    if not config.is_dynamic:
+    if not isinstance(config, DynamicLossScale):
         return GradCheck(inv_scale, jnp.asarray(True), norm)
     isfinite = norm < jnp.float32(jnp.inf)
     multiplier = inv_scale
@@ -426,7 +442,7 @@ def update(
     steps = jnp.where(decrease, zero, steps)
     overflows = jnp.where(decrease, zero, overflows)
 
-    increase = config.steps_per_increase < steps
+    increase = cast(int, config.steps_per_increase) < steps  # resolved: never None
     scale = jnp.where(increase, scale * 2, scale)
     steps = jnp.where(increase, zero, steps)
     overflows = jnp.where(increase, zero, overflows)
@@ -487,7 +503,7 @@ def is_stalled(config: LossScaleConfig, state: LossScaleState) -> jax.Array:
     """
     if not isinstance(config, DynamicLossScale):
         return jnp.asarray(False)
-    return state.overflows_at_min_scale >= config.stall_steps
+    return state.overflows_at_min_scale >= cast(int, config.stall_steps)  # resolved: never None
 
 
 class StepResult(NamedTuple):
@@ -498,6 +514,14 @@ class StepResult(NamedTuple):
         isfinite: whether the step may be applied.
         global_norm: the global norm of the unscaled gradients.
         next_state: the state after this step's update.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> config = amp_core.DynamicLossScale(init_scale=4.0)
+        >>> grads = [jnp.array([jnp.inf])]
+        >>> result = amp_core.check_and_update(config, amp_core.init(config), grads)
+        >>> bool(result.isfinite), float(result.multiplier), float(result.next_state.loss_scale)
+        (False, 0.25, 2.0)
     """
 
     multiplier: jax.Array
@@ -604,8 +628,9 @@ def select_if_finite(isfinite: jax.typing.ArrayLike, new_tree: Any, old_tree: An
         Array([0., 0.], dtype=float32)
     """
     isfinite = _scalar("isfinite", isfinite, jnp.bool_)
-    new_def = jax.tree_util.tree_structure(new_tree)
-    old_def = jax.tree_util.tree_structure(old_tree)
+    # Annotated: jax's own annotation of tree_structure does not resolve for mypy.
+    new_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(new_tree)
+    old_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(old_tree)
     if new_def != old_def:
         raise ValueError(
             f"select_if_finite needs new_tree and old_tree of the same structure; "

@@ -32,6 +32,15 @@ class LossScaledState(NamedTuple):
             that no name is taken twice: ``optax.tree_utils.tree_get(opt_state,
             "loss_scale")`` finds the current scale.
         inner_state: the wrapped transformation's state.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp, optax
+        >>> tx = amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.DynamicLossScale())
+        >>> opt_state = tx.init({"w": jnp.zeros(2)})
+        >>> type(opt_state).__name__, opt_state._fields
+        ('LossScaledState', ('scaler', 'inner_state'))
+        >>> float(optax.tree_utils.tree_get(opt_state, "loss_scale"))
+        32768.0
     """
 
     scaler: LossScaleState
@@ -53,7 +62,7 @@ def with_loss_scaling(
     is selected against the old one where it is defined, before the rest of the update reads
     it. Under ``jax.jit`` with the parameters and optimizer state donated, XLA then fuses
     unscaling, the optimizer and ``optax.apply_updates`` into in-place passes, as for the plain
-    optimizer (see the README's Performance section).
+    optimizer (see the docs' Performance page, docs/performance.md).
 
     Args:
         inner: any gradient transformation, e.g. ``optax.adamw(1e-3)``.
@@ -170,13 +179,14 @@ def _update_or_keep(
     """
     closed, shapes = jax.make_jaxpr(inner_update, return_shape=True)(grads, inner_state)
     new_updates_shape, new_state_shape = shapes
-    state_def = jax.tree_util.tree_structure(inner_state)
+    # Annotated: jax's own annotation of tree_structure does not resolve for mypy.
+    state_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(inner_state)
     if jax.tree_util.tree_structure(new_state_shape) != state_def:
         raise TypeError(
             "inner.update must return a state of the structure it was given; got "
             f"{jax.tree_util.tree_structure(new_state_shape)} for {state_def}"
         )
-    updates_def = jax.tree_util.tree_structure(new_updates_shape)
+    updates_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(new_updates_shape)
     jaxpr = closed.jaxpr
     old_leaves = jax.tree_util.tree_leaves(inner_state)
     state_in = jaxpr.invars[len(jaxpr.invars) - len(old_leaves) :]
@@ -290,7 +300,7 @@ def apply_scaled_gradients(
     leaf selected against the old one where it is defined. A skipped step leaves the
     parameters and the inner state bit-identical (the optimizer's arithmetic is done and
     discarded). Under ``jax.jit`` with the parameters and state donated a step costs a little
-    more than the plain optimizer's (see the README's Performance section).
+    more than the plain optimizer's (see docs/performance.md).
 
     Args:
         inner: the optimizer, e.g. ``optax.adamw(1e-3)`` (the same one given to

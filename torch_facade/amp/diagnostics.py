@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import torch
@@ -13,6 +13,7 @@ import torch
 import amp_core
 from torch_facade.amp import _bridge, _caller, _dtensor, _storage
 from torch_facade.amp._decision import Decision
+from torch_facade.amp._host_side import host_side
 
 
 class LossScaleStalledError(RuntimeError):
@@ -22,6 +23,23 @@ class LossScaleStalledError(RuntimeError):
     Attributes:
         report: the :class:`~torch_facade.amp.OverflowReport` of the last step: which gradients
             held inf or NaN.
+
+    Example:
+        >>> import torch, torch_facade as cstorch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = cstorch.amp.GradScaler(
+        ...     "dynamic", init_scale=1.0, min_loss_scale=1.0, stall_steps=1, raise_on_stall=True
+        ... )
+        >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        >>> model.bias.grad.fill_(float("nan"))
+        tensor([nan])
+        >>> scaler.step(optimizer)
+        >>> try:
+        ...     scaler.update()  # an overflow with the scale already at min_loss_scale
+        ... except cstorch.amp.LossScaleStalledError as err:
+        ...     print(err.report)
+        1 of 2 gradients non-finite: optimizer0.param_groups[0].params[1] (1 element)
     """
 
     def __init__(self, message: str, report: Any) -> None:
@@ -38,6 +56,14 @@ class OverflowReport:
             elements that are inf or NaN once unscaled (0 for finite values so large that their
             squares overflow float32, which also skips a step).
         total: how many gradients were read.
+
+    Example:
+        >>> import torch_facade as cstorch
+        >>> report = cstorch.amp.OverflowReport({"fc.weight": 3, "fc.bias": 1}, total=4)
+        >>> bool(report), report.gradients["fc.weight"]
+        (True, 3)
+        >>> print(report)
+        2 of 4 gradients non-finite: fc.weight (3 elements), fc.bias (1 element)
     """
 
     gradients: dict[str, int]
@@ -125,6 +151,7 @@ class _Readable(Protocol):
     def get_isfinite(self) -> torch.Tensor: ...
 
 
+@host_side
 def scaler_metrics(scaler: _Readable, *, as_tensors: bool = False) -> dict[str, Any]:
     """The scaler's numbers for a logger, under the names the Cerebras modelzoo logs.
 
@@ -161,7 +188,7 @@ class StallWatch:
 
     Reads one number the decision already exported: free where the host is the device or has
     read the decision already, and skipped otherwise (a fused step on an accelerator: no host
-    synchronisation for this; see the README).
+    synchronisation for this; see docs/gpus.md).
 
     Args:
         config: the dynamic configuration (its ``stall_steps`` and ``min_loss_scale``).
@@ -183,7 +210,7 @@ class StallWatch:
             self.warned = False
             return
         count = int(values[_STALL])
-        if count < self.config.stall_steps:
+        if count < cast(int, self.config.stall_steps):  # resolved: never None
             self.warned = self.warned and count > 0
             return
         message = (

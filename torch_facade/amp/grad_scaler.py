@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 import amp_core
@@ -32,6 +31,7 @@ from torch_facade.amp import (
 from torch_facade.amp._amp_state import get_half_dtype_str
 from torch_facade.amp._decision import Decider, Decision, groups_key, params_of
 from torch_facade.amp._fused import FusedSteps
+from torch_facade.amp._host_side import host_side
 from torch_facade.amp.diagnostics import LossScaleStalledError, StallWatch, overflow_report
 
 __all__ = ["GradScaler", "LossScaleStalledError"]
@@ -68,7 +68,7 @@ def _truthy(value: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _with_clip_norm(config: amp_core.LossScaleConfig, norm: float) -> amp_core.LossScaleConfig:
+def _with_clip_norm(config: amp_core.DynamicLossScale, norm: float) -> amp_core.DynamicLossScale:
     """``config`` with DLS + GCC at ``norm``; cached: ``optimizer_step`` asks every iteration."""
     return dataclasses.replace(config, max_gradient_norm=norm)
 
@@ -102,8 +102,8 @@ class GradScaler:
     iteration, as torch's scaler does. On the CPU the host is the device, so the decision's
     results are complete when the facade sees them. ``state_dict`` synchronises;
     ``get_isfinite`` and ``get_global_norm`` return tensors. JAX's backends are started (with
-    GPU memory preallocation off) only at the first decision: see the README's "Sharing a GPU
-    with torch".
+    GPU memory preallocation off) only at the first decision: see "Sharing a GPU with torch" in
+    the docs' GPUs page (docs/gpus.md).
 
     A backward pass of a scaled loss after the iteration's decision (alternating losses, as in
     GAN loops) raises a ``RuntimeError`` in ``scale()``: its gradients would not be part of the
@@ -143,6 +143,7 @@ class GradScaler:
         tensor(32768.)
     """
 
+    @host_side
     def __init__(
         self,
         loss_scale: str | float | None = None,
@@ -195,7 +196,12 @@ class GradScaler:
         # In the first iteration, the parameters the scaled losses reach join the decision.
         self._discovering = True
         self._reached: list[torch.Tensor] = []
-        self._stall = StallWatch(self._config, self._raise_on_stall) if self._dynamic else None
+        config = self._config
+        self._stall = (
+            StallWatch(config, self._raise_on_stall)
+            if isinstance(config, amp_core.DynamicLossScale)
+            else None
+        )
         self._fused = FusedSteps()
         # The participating parameters, remembered while the param groups stay the same.
         self._participants_cache: tuple[tuple[Any, ...], list[torch.Tensor]] | None = None
@@ -219,14 +225,17 @@ class GradScaler:
         self._scale_t = (
             _bridge.to_torch(state.loss_scale) if scalars is None else scalars.loss_scale
         )
-        # Static scaling by exactly 1 needs no arithmetic at all.
-        self._identity = not self._dynamic and float(self._scale_t) == 1.0
+        # Static scaling: the scale as a Python float (get_scale() returns it; compiled code
+        # reads it without a host read). By exactly 1 it needs no arithmetic at all.
+        self._static_scale = None if self._dynamic else float(self._scale_t)
+        self._identity = self._static_scale == 1.0
 
     @property
     def config(self) -> amp_core.LossScaleConfig:
         """The resolved ``amp_core`` configuration (every default filled in)."""
         return self._config
 
+    @host_side
     def state_dict(self, destination: dict[str, Any] | None = None) -> dict[str, Any]:
         """Returns the real scaler state for a checkpoint (a host synchronisation).
 
@@ -252,6 +261,7 @@ class GradScaler:
             result[key] = torch.tensor(value, dtype=dtype)
         return result
 
+    @host_side
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads the keys present in ``state_dict``; absent keys keep their values.
 
@@ -315,7 +325,7 @@ class GradScaler:
         self._warned_dtype = pickled["warned_dtype"]
         self._start_session()
         # On the host, until the next decision places it (as after construction).
-        self._set_state(amp_core.LossScaleState(*(np.array(x) for x in pickled["state"])))
+        self._set_state(_bridge.host_state(pickled["state"]))
 
     # ------------------------------------- torch.amp.GradScaler internals that trainers call
 
@@ -340,44 +350,107 @@ class GradScaler:
         """Whether the scaler does anything: ``False`` only for static scaling by 1.
 
         As ``torch.amp.GradScaler.is_enabled``, which trainers ask.
+
+        Example:
+            >>> import torch_facade as cstorch
+            >>> cstorch.amp.GradScaler(loss_scale="dynamic").is_enabled()
+            True
+            >>> cstorch.amp.GradScaler(loss_scale=1.0).is_enabled()
+            False
         """
         return not self._identity
 
     def get_scale(self) -> torch.Tensor | float:
-        """The current loss scale: a float32 tensor for DLS, a float for static scaling."""
-        if not self._dynamic:
-            return float(self._scale_t)
+        """The current loss scale: a float32 tensor for DLS, a float for static scaling.
+
+        Example:
+            >>> import torch_facade as cstorch
+            >>> cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=1024.0).get_scale()
+            tensor(1024.)
+            >>> cstorch.amp.GradScaler(loss_scale=8.0).get_scale()
+            8.0
+        """
+        if self._static_scale is not None:
+            return self._static_scale
         return self._scale_t.clone()
 
+    @host_side
     def get_non_clamped_scale(self) -> torch.Tensor | float:
-        """The scale of the last update after the max clamp and before the min clamp."""
+        """The scale of the last update after the max clamp and before the min clamp.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler("dynamic", init_scale=4.0, min_loss_scale=4.0)
+            >>> scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+            >>> scaler.step(optimizer)  # overflow: skipped, the scale halves to 2 ...
+            >>> scaler.update()
+            >>> scaler.get_scale(), scaler.get_non_clamped_scale()  # ... and is clamped to 4
+            (tensor(4.), tensor(2.))
+        """
         value = _bridge.to_torch(self._state.non_clamped_scale)
         return value.clone() if self._dynamic else float(value)
 
+    @host_side
     def get_num_skipped_steps(self) -> torch.Tensor:
         """Optimizer steps skipped for overflow so far (int64 tensor; 0 for static scaling).
 
         Each skipped ``step(optimizer)`` counts, as in the reference: an iteration that skips
         two optimizers adds 2.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.full((1, 2), float("nan"))).sum()).backward()
+            >>> scaler.step(optimizer)
+            >>> scaler.update()
+            >>> scaler.get_num_skipped_steps()
+            tensor(1)
         """
         return _bridge.to_torch(self._state.num_skipped_steps).to(torch.int64)
 
+    @host_side
     def get_isfinite(self) -> torch.Tensor:
         """The skip signal: whether this iteration's (or else the last) step was finite.
 
         Once the iteration's decision is taken (at the first ``unscale_`` or ``step``), this is
         the iteration's flag; after ``update()`` it is the last iteration's. A new bool tensor
         (a copy), without a host synchronisation.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> model.weight.grad[0, 0] = float("inf")  # before the decision: it counts
+            >>> scaler.unscale_(optimizer)  # the decision
+            >>> scaler.get_isfinite()
+            tensor(False)
         """
         if self._decision is not None:
             return self._decision.isfinite()
         return _bridge.to_torch(self._state.isfinite).clone()
 
+    @host_side
     def get_global_norm(self) -> torch.Tensor:
         """The global L2 norm of this iteration's (or else the last) unscaled gradients.
 
         A new float32 tensor (a copy), without a host synchronisation; 0 before the first DLS
         step and for static scaling, which does not check gradients.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> scaler.unscale_(optimizer)  # the unscaled gradient is [3, 4]
+            >>> scaler.get_global_norm()
+            tensor(5.)
         """
         if self._decision is not None and self._decision.outputs is not None:
             return _bridge.to_torch(self._decision.outputs.global_norm).clone()
@@ -385,12 +458,22 @@ class GradScaler:
 
     # --------------------------------------------------------------- the loop
 
+    @host_side
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Scales the loss before the backward pass: ``loss.float() * scale``.
+
+        It also starts the iteration (checks, restores what ``update_if_finite`` marked, and in
+        the first iteration finds the parameters the loss reaches), so in ``torch.compile``'d
+        code it runs eagerly, behind a graph break just before the one ``.backward()`` makes.
 
         Raises:
             TypeError: ``loss`` is not a tensor.
             RuntimeError: DLS, and this iteration's overflow decision was already taken.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> cstorch.amp.GradScaler(loss_scale="dynamic").scale(torch.tensor(2.0))
+            tensor(65536.)
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor; got {type(loss).__name__}")
@@ -414,6 +497,7 @@ class GradScaler:
             scale = _gradients.on_device(scale, loss.device)  # a CPU 0-d tensor needs no copy
         return loss.float() * scale
 
+    @host_side
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscales the gradients of ``optimizer``'s parameters in place.
 
@@ -428,6 +512,18 @@ class GradScaler:
             TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
             RuntimeError: called after ``step(optimizer)`` in the same iteration, or without a
                 ``scale(loss).backward()`` since the last ``update()``.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> model.weight.grad  # scaled by 2**15
+            tensor([[ 98304., 131072.]])
+            >>> scaler.unscale_(optimizer)
+            >>> model.weight.grad
+            tensor([[3., 4.]])
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -440,6 +536,7 @@ class GradScaler:
         self._decide().unscale_(optimizer)
         self._stages[optimizer] = _Stage.UNSCALED
 
+    @host_side
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscales (if needed), checks for overflow once per iteration, and steps if finite.
 
@@ -454,6 +551,18 @@ class GradScaler:
             RuntimeError: ``step`` was already called for ``optimizer`` since the last
                 ``update()``; no ``scale(loss).backward()`` since the last ``update()``; or
                 ``optimizer``'s gradients were not part of this iteration's decision.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> _ = torch.nn.init.ones_(model.weight)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> scaler.step(optimizer)  # unscales to [3, 4], then SGD with lr 0.1
+            >>> scaler.update()
+            >>> model.weight.data
+            tensor([[0.7000, 0.6000]])
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -461,11 +570,25 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
         return self.step_if_finite(optimizer, *args, **kwargs)
 
+    @host_side
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Calls ``optimizer.step(*args, **kwargs)`` only if this iteration's gradients are finite.
 
         Returns:
             The result of ``optimizer.step``, or ``None`` when skipped.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> before = model.weight.detach().clone()
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+            >>> print(scaler.step_if_finite(optimizer))  # skipped
+            None
+            >>> scaler.update()
+            >>> torch.equal(model.weight, before)
+            True
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -479,6 +602,7 @@ class GradScaler:
         self._stages[optimizer] = _Stage.STEPPED
         return result
 
+    @host_side
     def clip_gradients_and_return_isfinite(
         self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]
     ) -> torch.Tensor:
@@ -486,6 +610,17 @@ class GradScaler:
 
         Returns:
             A 0-d bool tensor (no host synchronisation).
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic", max_gradient_norm=1.0)
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> scaler.clip_gradients_and_return_isfinite(optimizer)
+            tensor(True)
+            >>> model.weight.grad  # the norm 5 clipped to 1 (clip_grad_norm_'s coefficient)
+            tensor([[0.6000, 0.8000]])
         """
         optimizers = _optimizer_list(optimizers, "optimizers")
         for optimizer in optimizers:
@@ -498,8 +633,24 @@ class GradScaler:
                 self._stages[optimizer] = _Stage.UNSCALED
         return decision.isfinite()
 
+    @host_side
     def update_scale(self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
-        """Applies the dynamic-loss-scaling update (SPEC section 2) for this iteration, once."""
+        """Applies the dynamic-loss-scaling update (SPEC section 2) for this iteration, once.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+            >>> scaler.step(optimizer)
+            >>> scaler.update_scale(optimizer)
+            >>> scaler.get_scale()
+            tensor(16384.)
+            >>> scaler.update()  # starts the next iteration; the scale is not updated twice
+            >>> scaler.get_scale()
+            tensor(16384.)
+        """
         for optimizer in _optimizer_list(optimizers, "optimizers"):
             self._register(optimizer)
         if not self._dynamic:
@@ -517,6 +668,7 @@ class GradScaler:
             self._set_state(state, placed_for=decision.device)
         decision.scale_updated = True
 
+    @host_side
     def update(self, new_scale: Any = None) -> None:
         """Updates the scale once all optimizers have been stepped, and starts a new iteration.
 
@@ -526,6 +678,19 @@ class GradScaler:
                 (there is no overflow check to update from; torch's scaler raises here too).
             LossScaleStalledError: with ``raise_on_stall=True``, once ``stall_steps``
                 consecutive steps overflowed at ``min_loss_scale``.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler("dynamic", init_scale=4.0, steps_per_increase=1)
+            >>> for step in range(2):  # the scale doubles after steps_per_increase + 1 steps
+            ...     optimizer.zero_grad()
+            ...     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            ...     scaler.step(optimizer)
+            ...     scaler.update()
+            >>> scaler.get_scale()
+            tensor(8.)
         """
         if new_scale is not None and _truthy(new_scale):
             raise ValueError("GradScaler.update() does not support providing a `new_scale`")
@@ -552,6 +717,7 @@ class GradScaler:
 
     # ------------------------------------------------------------ diagnostics
 
+    @host_side
     def nonfinite_gradients(self, module: torch.nn.Module | None = None) -> Any:
         """Which gradients held inf or NaN at this iteration's (or the last) decision.
 
@@ -659,8 +825,10 @@ class GradScaler:
         """
         if self._decision is not None:
             return self._decision
-        if self._dynamic:
-            config = self._config if clip_norm is None else _with_clip_norm(self._config, clip_norm)
+        config = self._config
+        if isinstance(config, amp_core.DynamicLossScale):
+            if clip_norm is not None:
+                config = _with_clip_norm(config, clip_norm)
             decision = self._decider.dynamic(
                 config, self._state, self._participants(), self._optimizers, self._placed_for
             )
