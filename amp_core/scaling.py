@@ -182,7 +182,7 @@ def _chained_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
     # The order and association of sum_of_unscaled_squares: the other dtypes' leaves first, then
     # the float32 leaves' own sum added to theirs.
     gate = inv  # a traced, non-NaN value: the first leaf waits for nothing
-    totals = []
+    totals: list[jax.Array] = []
     for group in (
         [g for g in leaves if g.dtype != jnp.float32],
         [g for g in leaves if g.dtype == jnp.float32],
