@@ -52,8 +52,11 @@ def with_loss_scaling(
 ) -> optax.GradientTransformation:
     """Wraps an optax transformation so that it consumes gradients of the *scaled* loss.
 
-    ``update`` unscales the gradients (clipping them with DLS + GCC) and checks them for overflow
-    in one read, then runs ``inner.update``. On overflow the inner state comes back untouched
+    ``update`` checks the gradients for overflow (their global norm, summed one leaf after the
+    other), then unscales them (clipping them with DLS + GCC) inside ``inner.update``'s own
+    passes. Gradients computed in the same jitted step cost one write and two reads each for the
+    check, the least XLA:CPU allows; gradients already in memory (jit inputs) are copied once
+    more. On overflow the inner state comes back untouched
     (bit for bit) and the updates are ``-0.0``, so that ``optax.apply_updates`` leaves every
     parameter bit-identical (``x + -0.0 == x`` for every ``x``, signed zeros and NaN included).
     The scaler state advances on every step either way; static scaling never skips.
