@@ -137,6 +137,65 @@ def sum_of_unscaled_squares(
     return total
 
 
+def _in_step_sum_of_unscaled_squares(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
+    """``sum((g * inv_scale)**2)`` for gradients computed in the same jitted step.
+
+    :func:`sum_of_unscaled_squares` is built for gradients that already sit in memory (jit
+    inputs, the torch facade's imports): one read each. Inside a train step the gradients are
+    computed by the same XLA program, and on XLA:CPU that matters twice. XLA:CPU never fuses an
+    element-wise producer into a reduction, so every gradient is written out before it is summed;
+    and its default scheduler runs all 148 such writes (at 28M parameters) before the first sum,
+    so they are alive together: 112 MB of temporary memory that is fresh (page-faulted) on every
+    call, 27,000 page faults per step. Its ``lax.cond`` fallback also keeps every leaf alive.
+
+    Here on the CPU each leaf's unscaled values go through ``where(isnan(total_so_far), nan,
+    g * inv)`` before they are squared and summed, ``total_so_far`` being the sum over the leaves
+    before it. A select is not fused into the reduction, so the write of leaf ``i`` waits for the
+    sum of leaf ``i - 1``, one leaf is alive at a time (25 MB at most at 28M parameters, memory
+    the allocator reuses), and the unscale multiply rides in the write that happens anyway. The
+    result is bit-identical to the plain sum: the running total only becomes NaN where the plain
+    sum is NaN from then on, and ``inf`` is kept as ``inf``. Elsewhere (GPUs, TPUs), where XLA
+    fuses the multiply into the reduction and a conditional would wait for the host, it is the
+    branch-free sum. Either way the values are those of ``branch_free=True``.
+    """
+    inv = jnp.asarray(inv_scale, jnp.float32)
+    leaves = _float_leaves(grads)
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    return jax.lax.platform_dependent(leaves, inv, cpu=_chained_squares, default=_fused_squares)
+
+
+def _unscaled_f32(grad: jax.Array, inv: jax.Array) -> jax.Array:
+    """The unscaled values of ``grad`` as the optimizer sees them, in float32 for squaring."""
+    if grad.dtype == jnp.float32:
+        return grad * inv
+    return _unscaled(grad, inv).astype(jnp.float32)
+
+
+def _fused_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
+    halves = [_unscaled_f32(g, inv) for g in leaves if g.dtype != jnp.float32]
+    singles = [_unscaled_f32(g, inv) for g in leaves if g.dtype == jnp.float32]
+    return _sum_of_squares(halves) + _sum_of_squares(singles)
+
+
+def _chained_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
+    # The order and association of sum_of_unscaled_squares: the other dtypes' leaves first, then
+    # the float32 leaves' own sum added to theirs.
+    gate = inv  # a traced, non-NaN value: the first leaf waits for nothing
+    totals: list[jax.Array] = []
+    for group in (
+        [g for g in leaves if g.dtype != jnp.float32],
+        [g for g in leaves if g.dtype == jnp.float32],
+    ):
+        total = jnp.zeros((), jnp.float32)
+        for grad in group:
+            unscaled = jnp.where(jnp.isnan(gate), jnp.float32(jnp.nan), _unscaled_f32(grad, inv))
+            total = total + jnp.sum(jnp.square(unscaled))
+            gate = total if not totals else totals[0] + total
+        totals.append(total)
+    return totals[0] + totals[1]
+
+
 def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
     """The float32 L2 norm of ``grads * inv_scale``: ``sqrt(sum_of_unscaled_squares(...))``.
 
@@ -495,6 +554,16 @@ def check_and_update(
     return check_sum_and_update(
         config, state, total, unscaled=unscaled, optimizer_steps=optimizer_steps
     )
+
+
+def _check_and_update_in_step(
+    config: LossScaleConfig, state: LossScaleState, grads: Any
+) -> StepResult:
+    """:func:`check_and_update` for gradients computed in the same jitted step (the optax
+    wrapper, the fused apply, :func:`amp_core.value_and_grad`): the sum of squares is
+    :func:`_in_step_sum_of_unscaled_squares`."""
+    total = _in_step_sum_of_unscaled_squares(grads, inverse_scale(state))
+    return check_sum_and_update(config, state, total)
 
 
 def check_sum_and_update(

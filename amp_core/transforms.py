@@ -13,7 +13,14 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 from jax.extend.core.primitives import jit_p
 
 from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale
-from amp_core.scaling import apply_multiplier, check_and_update, scale_loss, unscale_and_check
+from amp_core.scaling import (
+    _check_and_update_in_step,
+    _in_step_sum_of_unscaled_squares,
+    apply_multiplier,
+    check_sum_of_squares,
+    inverse_scale,
+    scale_loss,
+)
 from amp_core.state import LossScaleState, init
 
 
@@ -45,8 +52,11 @@ def with_loss_scaling(
 ) -> optax.GradientTransformation:
     """Wraps an optax transformation so that it consumes gradients of the *scaled* loss.
 
-    ``update`` unscales the gradients (clipping them with DLS + GCC) and checks them for overflow
-    in one read, then runs ``inner.update``. On overflow the inner state comes back untouched
+    ``update`` checks the gradients for overflow (their global norm, summed one leaf after the
+    other), then unscales them (clipping them with DLS + GCC) inside ``inner.update``'s own
+    passes. Gradients computed in the same jitted step cost one write and two reads each for the
+    check, the least XLA:CPU allows; gradients already in memory (jit inputs) are copied once
+    more. On overflow the inner state comes back untouched
     (bit for bit) and the updates are ``-0.0``, so that ``optax.apply_updates`` leaves every
     parameter bit-identical (``x + -0.0 == x`` for every ``x``, signed zeros and NaN included).
     The scaler state advances on every step either way; static scaling never skips.
@@ -106,23 +116,41 @@ def with_loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaledState]:
         _check_opt_state("state", state)
-        check = check_and_update(config, state.scaler, updates)
-        grads = apply_multiplier(updates, check.multiplier)
-
-        def inner_update(
-            grads: optax.Updates, inner_state: optax.OptState
-        ) -> tuple[optax.Updates, optax.OptState]:
-            return inner.update(grads, inner_state, params, **extra_args)
-
-        if config.is_dynamic:
-            new_updates, inner_state = _update_or_keep(
-                inner_update, check.isfinite, grads, state.inner_state
-            )
-        else:  # static scaling never skips
-            new_updates, inner_state = inner_update(grads, state.inner_state)
-        return new_updates, LossScaledState(check.next_state, inner_state)
+        return _scaled_update(inner, config, updates, state, params, extra_args)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scaled_update(
+    inner: optax.GradientTransformation,
+    config: LossScaleConfig,
+    grads: optax.Updates,
+    state: LossScaledState,
+    params: optax.Params | None,
+    extra_args: Mapping[str, Any],
+) -> tuple[optax.Updates, LossScaledState]:
+    """The update of :func:`with_loss_scaling` (and of :func:`apply_scaled_gradients`).
+
+    The check reads the gradients one leaf after the other
+    (:func:`amp_core.scaling._in_step_sum_of_unscaled_squares`), the unscale multiply (and the
+    clip coefficient) then fuse into the inner update's passes, and on overflow
+    :func:`_update_or_keep` keeps the old state and returns ``-0.0`` updates.
+    """
+    check = _check_and_update_in_step(config, state.scaler, grads)
+    unscaled = apply_multiplier(grads, check.multiplier)
+
+    def inner_update(
+        grads: optax.Updates, inner_state: optax.OptState
+    ) -> tuple[optax.Updates, optax.OptState]:
+        return inner.update(grads, inner_state, params, **extra_args)
+
+    if config.is_dynamic:
+        new_updates, inner_state = _update_or_keep(
+            inner_update, check.isfinite, unscaled, state.inner_state
+        )
+    else:  # static scaling never skips
+        new_updates, inner_state = inner_update(unscaled, state.inner_state)
+    return new_updates, LossScaledState(check.next_state, inner_state)
 
 
 def _update_or_keep(
@@ -266,16 +294,16 @@ def apply_scaled_gradients(
     opt_state: LossScaledState,
     params: optax.Params,
 ) -> tuple[optax.Params, LossScaledState]:
-    """One whole optimizer step from gradients of the scaled loss: the fast path.
+    """One whole optimizer step from gradients of the scaled loss.
 
     Does what ``tx = with_loss_scaling(inner, config)``, ``tx.update`` and
-    ``optax.apply_updates`` do together, with the same state (``tx.init(params)``), but puts the
-    unscaling, the inner update and the parameter update all inside a ``lax.cond``: XLA fuses
-    them into the optimizer's own passes, and a skipped step returns the parameters and inner
-    state it was given (bit-identical by construction) without doing the optimizer's arithmetic
-    at all. Under ``jax.jit`` with the parameters and state donated a step costs about what the
-    wrapper's does, a little more than the plain optimizer's (see docs/performance.md); the
-    wrapper computes the inner update on skipped steps too and discards it.
+    ``optax.apply_updates`` do together, with the same state (``tx.init(params)``) and the same
+    dataflow: the check reads the gradients one leaf after the other, and the unscaling, the
+    inner update and the parameter update fuse into the optimizer's own passes, each new state
+    leaf selected against the old one where it is defined. A skipped step leaves the
+    parameters and the inner state bit-identical (the optimizer's arithmetic is done and
+    discarded). Under ``jax.jit`` with the parameters and state donated a step costs a little
+    more than the plain optimizer's (see docs/performance.md).
 
     Args:
         inner: the optimizer, e.g. ``optax.adamw(1e-3)`` (the same one given to
@@ -307,21 +335,9 @@ def apply_scaled_gradients(
         Array([0.8, 0.8, 0.8], dtype=float32)
     """
     _check_opt_state("opt_state", opt_state)
-    check = check_and_update(config, opt_state.scaler, grads)
-    scaler = check.next_state
-
-    def apply(operand: tuple[optax.Params, optax.OptState]) -> tuple[optax.Params, optax.OptState]:
-        old_params, inner_state = operand
-        unscaled = apply_multiplier(grads, check.multiplier)
-        updates, inner_state = inner.update(unscaled, inner_state, old_params)
-        return optax.apply_updates(old_params, updates), inner_state
-
-    operand = (_params_with_gradients(grads, params), opt_state.inner_state)
-    if config.is_dynamic:
-        new_params, inner_state = jax.lax.cond(check.isfinite, apply, lambda op: op, operand)
-    else:  # static scaling never skips
-        new_params, inner_state = apply(operand)
-    return _merge_params(new_params, params), LossScaledState(scaler, inner_state)
+    with_grads = _params_with_gradients(grads, params)
+    updates, state = _scaled_update(inner, config, grads, opt_state, with_grads, {})
+    return _merge_params(optax.apply_updates(with_grads, updates), params), state
 
 
 def _is_none(node: Any) -> bool:
@@ -523,8 +539,10 @@ def value_and_grad(
         )
         if isinstance(argnums, int):
             scaled_grads = scaled_grads[0]
-        grads, isfinite, global_norm = unscale_and_check(config, state, scaled_grads)
-        return value, grads, isfinite, global_norm
+        total = _in_step_sum_of_unscaled_squares(scaled_grads, inverse_scale(state))
+        check = check_sum_of_squares(config, state, total)
+        grads = apply_multiplier(scaled_grads, check.multiplier)
+        return value, grads, check.isfinite, check.global_norm
 
     return grad_fn
 

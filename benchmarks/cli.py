@@ -7,6 +7,7 @@ Examples::
     python -m benchmarks --sections scaler,jax      # the scaler-only and JAX-native tables
     python -m benchmarks --no-ddp                   # everything but the 2-rank DDP row
     python -m benchmarks --sections host            # host cost per gradient tensor (148, 1000)
+    python -m benchmarks --sections step            # the JAX train step with the other scalers
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import host_bench, report
+from benchmarks import host_bench, plots, report
 from benchmarks.ddp_bench import ITERS as DDP_ITERS
 from benchmarks.runner import DEFAULT_ROUNDS, SECTIONS, BenchOptions, run
 from benchmarks.sizes import DEFAULT_SIZES, SIZES
@@ -76,10 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
             "scaler, optimizer.step(), zero_grad() with torch's default) with the facade "
             "against torch.amp.GradScaler and a bare loop; 'scaler' = the scaler alone on "
             "gradients refilled in place, with the bandwidth floor; 'ddp' = whole iterations "
-            "under DistributedDataParallel, 2 ranks on the CPU (small, noisy); 'jax' = the "
-            "JAX-native optax step; 'host' = the host cost per gradient tensor (one-element "
-            "gradients, nothing to compute). Prints a markdown report and writes it with a JSON "
-            "file of every raw number."
+            "under DistributedDataParallel, 2 ranks on the CPU (small, noisy); 'step' = the "
+            "JAX train step as users write it (forward, backward and optax AdamW in one jit), "
+            "amp_core against plain optax, the floor, jmp, flax's DynamicScale and mpx, with "
+            "each scaler's skip and growth checked; 'jax' = the jitted optax step on gradients "
+            "passed in (a narrower second view); 'host' = the host cost per gradient tensor "
+            "(one-element gradients, nothing to compute). Prints a markdown report and writes "
+            "it with a JSON file of every raw number and PNG plots."
         ),
     )
     parser.add_argument(
@@ -99,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default="S",
         help="model size of the DDP section (default S)",
+    )
+    parser.add_argument(
+        "--step-size",
+        type=_size,
+        default="M",
+        help="the parameter layout of the step section (default M: 148 leaves, 28.0M params)",
     )
     parser.add_argument(
         "--sizes",
@@ -138,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=Path("bench_output"),
-        help="folder for bench.md and bench.json (default bench_output)",
+        help="folder for bench.md, bench.json and the plots (default bench_output)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of models, tokens and gradients (default 0)"
@@ -167,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes=sizes,
         sections=sections,
         ddp_size=args.ddp_size,
+        step_size=args.step_size,
         host_tensors=tuple(args.host_tensors),
         rounds=args.rounds,
         iters=args.iters,
@@ -176,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     results = run(options, sys.argv[1:] if argv is None else list(argv))
     md_path, json_path = report.write(results, args.out)
+    images = plots.write_plots(results, args.out)
     print(report.markdown(results), end="")
-    print(f"\nWrote {md_path} and {json_path}")
+    print(f"\nWrote {', '.join(str(p) for p in (md_path, json_path, *images))}")
     return 0

@@ -306,14 +306,125 @@ def _ddp_section(results: dict[str, Any], number: int) -> list[str]:
     return out + _comparison_table(ddp["rows"], with_set_to_none=False) + [""]
 
 
+def _ratio_cell(stats: dict[str, Any]) -> str:
+    """A ratio cell, or ``n/a`` where the ratio is undefined (``None`` in the JSON, NaN before)."""
+    return "n/a" if _num(stats["median"]) == "n/a" else _cell(stats, "x")
+
+
+def _step_section(results: dict[str, Any], number: int) -> list[str]:
+    step = results["step"]
+    versions = ", ".join(f"{name} {v or 'not installed'}" for name, v in step["versions"].items())
+    out = [
+        f"## {number}. The JAX train step as users write it: `amp_core` against plain optax, "
+        "the floor and the other JAX loss scalers (ms per step)",
+        "",
+        "One `jax.jit` over forward, backward and update, parameters and optimizer state "
+        "donated; float32 master weights, float16 compute, `optax.adamw`; the parameters of "
+        f"{step['size']}'s GPT-2 layout ({step['tensors']} leaves, {step['params']:,} params). "
+        f"Real forward: an MLP over the layout on {step['tokens']} tokens (float32 "
+        "cross-entropy). Synthetic loss: `0.5*sum(p16**2)`, whose backward XLA fuses into "
+        "AdamW's passes (the step is the optimizer's memory traffic). Floor: plain AdamW plus "
+        "the gradients' global sum of squares, returned and unused (what a global norm costs "
+        "by itself). Gated floor: the same sum of squares, taken one leaf after the other as "
+        "`amp_core` takes it, with the gradients multiplied by `1 + min(norm**2, 0)` (exactly 1) "
+        "before AdamW: every update waits for the whole backward and the norm, as any decision "
+        "taken before the update makes it wait; no skip, no scaler state. Peers as their "
+        "documentation writes them "
+        f"({versions}), with the same loss scale 1 + 2^-23 (no overflow, no growth); jmp with a "
+        "float32 scale (its README's float16 one fails, below). Ratios: median [min, max] "
+        "over rounds of the per-round ratio. Traces: how often the step was traced (1 = one "
+        f"compilation). Steps per round: {_iters(results, 'step')}.",
+        "",
+    ]
+    by_variant: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in step["rows"]:
+        by_variant.setdefault(row["variant"], {})[row["loss"]] = row
+    losses = list(dict.fromkeys(row["loss"] for row in step["rows"]))
+    header = ["variant", "to skip a step, the user writes", "counts skips"]
+    for loss in losses:
+        header += [f"{loss} ms", f"{loss} / plain", f"{loss} / floor", f"{loss} / gated floor"]
+    header.append("traces")
+    body = []
+    for name, cells in by_variant.items():
+        first = next(iter(cells.values()))
+        line = [name, first["skip"], _yes(first["counts_skips"])]
+        for loss in losses:
+            row = cells.get(loss)
+            if row is None:
+                line += ["n/a"] * 4
+                continue
+            line += [
+                _num(row["ms"]["median"]),
+                _ratio_cell(row["ratio_plain"]),
+                _ratio_cell(row["ratio_floor"]),
+                _ratio_cell(row["ratio_gated_floor"]),
+            ]
+        line.append("/".join(str(cells[loss]["traces"]) for loss in losses if loss in cells))
+        body.append(line)
+    out += _table(header, body, ["l", "l", "l"] + ["r"] * (len(header) - 3))
+    out += [
+        "",
+        "Skip and growth check of every scaler (`benchmarks/scaler_checks.py`): a 2-leaf model "
+        "whose true gradient is exact at power-of-two scales, SGD with momentum, scale 2^10 "
+        "with growth every 2 finite steps in each library's own terms, batches "
+        "`1, 1, 1, inf, 1, 1, 1` (an overflow at step 4). The optimizer's received gradient is "
+        "read back from its momentum.",
+        "",
+    ]
+    check_rows = []
+    for c in step["checks"]:
+        if c["error"]:
+            check_rows.append([c["scaler"], f"failed: {c['error']}", "", "", "", "", ""])
+            continue
+        check_rows.append(
+            [
+                c["scaler"],
+                _yes(c["skip_bit_identical"]),
+                _yes(c["scale_halved"]),
+                _yes(c["counts_skips"]),
+                "never" if c["growth_step"] is None else str(c["growth_step"]),
+                "yes" if c["gradients_exact"] else "no: " + "; ".join(c["mismatches"]),
+                str(c["traces"]),
+            ]
+        )
+    out += _table(
+        [
+            "scaler",
+            "overflow skipped bit-identically",
+            "scale halved",
+            "skip counted",
+            "scale first doubles on finite step",
+            "optimizer got the true gradient on every applied step",
+            "traces",
+        ],
+        check_rows,
+        ["l"] * 7,
+    )
+    out += ["", "Notes (misbehaviours found by these checks, with a reproduction):", ""]
+    if not step["findings"]:
+        out += ["None.", ""]
+    for finding in step["findings"]:
+        out += [
+            f"* **{finding['scaler']}**: {finding['title']}. Observed: {finding['observed']}.",
+            "",
+            "  ```python",
+            *(f"  {line}" for line in finding["reproduction"].splitlines()),
+            "  ```",
+            "",
+        ]
+    return out
+
+
 def _jax_section(results: dict[str, Any], number: int) -> list[str]:
     out = [
-        f"## {number}. JAX-native: jitted optax AdamW step, alone and loss-scaled through "
-        "`amp_core` (ms)",
+        f"## {number}. Second view, gradients as inputs: jitted optax AdamW update, alone and "
+        "loss-scaled through `amp_core` (ms)",
         "",
+        "Not the step users write (that is the train-step table): the gradients of one torch "
+        "backward pass are passed in, already in memory, and only the update is timed. "
         "Each is `jax.jit(update, donate_argnums=(0, 1))` over (params, opt_state, grads). "
         "DLS and DLS+GCC: `with_loss_scaling` then `optax.apply_updates`; fused: "
-        "`apply_scaled_gradients` (DLS, the update applied inside the skip branch). "
+        "`apply_scaled_gradients`. "
         f"Steps per round: {_iters(results, 'jax')}.",
         "",
     ]
@@ -496,6 +607,7 @@ def markdown(results: dict[str, Any]) -> str:
         (bool(results["whole"]), _whole_section),
         (bool(results["torch"]), _scaler_section),
         (results["ddp"] is not None, _ddp_section),
+        (results.get("step") is not None, _step_section),
         (bool(results["jax"]), _jax_section),
         (bool(results["bandwidth"]), _bandwidth_section),
         (bool(results.get("host")), _host_section),

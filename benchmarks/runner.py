@@ -18,7 +18,16 @@ import optax
 import torch
 from tqdm import tqdm
 
-from benchmarks import bandwidth, ddp_bench, host_bench, jax_bench, torch_bench, whole_bench
+from benchmarks import (
+    bandwidth,
+    ddp_bench,
+    host_bench,
+    jax_bench,
+    scaler_checks,
+    step_bench,
+    torch_bench,
+    whole_bench,
+)
 from benchmarks.sizes import (
     SIZES,
     GradientSet,
@@ -46,10 +55,12 @@ DEFAULT_ROUNDS = 5
 HOST_ITERS = 20
 """Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
 
-SECTIONS = ("whole", "scaler", "ddp", "jax", "host")
+SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host")
 """The sections, in report order: whole iterations of the documented loop; the scaler alone on
 gradients refilled in place (with the bandwidth floor); whole iterations under DDP (2 ranks);
-the JAX-native optax step; the host cost per gradient tensor (one-element gradients)."""
+the JAX train step as users write it, with the floor and the other JAX scalers; the jitted optax
+step on gradients passed in as inputs (a narrower second view); the host cost per gradient
+tensor (one-element gradients)."""
 
 PER_SIZE_SECTIONS = ("whole", "scaler", "jax")
 """The sections run once per size of ``--sizes``."""
@@ -70,6 +81,7 @@ class BenchOptions:
         sections: which of :data:`SECTIONS` to run (the sizes apply to all but ``ddp`` and
             ``host``).
         ddp_size: the model size of the DDP section.
+        step_size: the layout of the ``step`` section's parameters.
         host_tensors: the gradient tensor counts of the ``host`` section.
     """
 
@@ -81,6 +93,7 @@ class BenchOptions:
     progress: bool = True
     sections: tuple[str, ...] = SECTIONS
     ddp_size: str = "S"
+    step_size: str = "M"
     host_tensors: tuple[int, ...] = host_bench.TENSORS
 
 
@@ -201,6 +214,35 @@ def host_row(tensors: int, group: whole_bench.WholeGroup) -> dict[str, Any]:
     }
 
 
+def step_rows(group: step_bench.StepGroup) -> list[dict[str, Any]]:
+    """One row per variant of a whole-step group: ms, and per-round ratios to plain optax, to
+    the floor and to the gated floor (``nan`` where that variant was not timed)."""
+    plain = group.timings[step_bench.PLAIN].rounds
+
+    def ratios(rounds: list[float], name: str) -> dict[str, float]:
+        if name not in group.timings:
+            return _stats([math.nan])
+        return _stats(per_round(ratio, rounds, group.timings[name].rounds))
+
+    rows = []
+    for name, timing in group.timings.items():
+        usage = step_bench.USAGE[name]
+        rows.append(
+            {
+                "loss": group.loss,
+                "variant": name,
+                "ms": _stats(_ms(timing.rounds)),
+                "ratio_plain": _stats(per_round(ratio, timing.rounds, plain)),
+                "ratio_floor": ratios(timing.rounds, step_bench.FLOOR),
+                "ratio_gated_floor": ratios(timing.rounds, step_bench.GATED_FLOOR),
+                "traces": group.traces[name],
+                "skip": usage.skip,
+                "counts_skips": usage.counts_skips,
+            }
+        )
+    return rows
+
+
 def _jax_row(size: str, group: jax_bench.JaxGroup) -> dict[str, Any]:
     plain, dls, gcc, fused = (group.timings[name].rounds for name in jax_bench.VARIANTS)
     return {
@@ -306,6 +348,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "whole_clip_norm": whole_bench.CLIP_NORM,
         "whole_batch": whole_bench.BATCH,
         "host_tensors": list(options.host_tensors),
+        "step_size": options.step_size,
         "time_unit": "seconds in cases; milliseconds in *_ms rows",
     }
 
@@ -319,6 +362,11 @@ def _validate(options: BenchOptions) -> None:
         raise ValueError(f"unknown sections {sections}; choose from {list(SECTIONS)}")
     if options.ddp_size not in SIZES:
         raise ValueError(f"unknown DDP size {options.ddp_size!r}; choose from {sorted(SIZES)}")
+    if options.step_size not in SIZES or SIZES[options.step_size].tiny:
+        raise ValueError(
+            f"unknown step size {options.step_size!r}; choose from "
+            f"{sorted(name for name, spec in SIZES.items() if not spec.tiny)}"
+        )
     if options.rounds < 1 or (options.iters is not None and options.iters < 1):
         raise ValueError("rounds and iters must be positive")
     if "host" in options.sections and (not options.host_tensors or min(options.host_tensors) < 1):
@@ -338,9 +386,11 @@ def _ticks(options: BenchOptions) -> int:
     if "scaler" in options.sections or "jax" in options.sections:
         per_size += 1  # gradients
     host = len(options.host_tensors) * len(host_bench.OPTIMIZERS) * group
+    step = len(step_bench.LOSSES) * group + 1  # the timed groups, then the checks
     return (
         len(options.sizes) * per_size
         + ("ddp" in options.sections)
+        + ("step" in options.sections) * step
         + ("host" in options.sections) * host
     )
 
@@ -361,6 +411,7 @@ class _Run:
             "whole": [],
             "torch": [],
             "ddp": None,
+            "step": None,
             "jax": [],
             "bandwidth": [],
             "floor": [],
@@ -490,6 +541,38 @@ class _Run:
         self.results["jax"].append(_jax_row(size, group))
         self.results["compile"] += _compile_rows(size, "jax", "", group.first, group.timings)
 
+    def step(self) -> None:
+        """The JAX train step as users write it: both losses, then the scalers' checks."""
+        size = self.options.step_size
+        spec = SIZES[size]
+        info: dict[str, Any] = {
+            "size": size,
+            "tensors": len(shape_list(spec)),
+            "params": parameter_count(spec),
+            "tokens": step_bench.TOKENS,
+            "versions": step_bench.peer_versions(),
+            "rows": [],
+            "checks": [],
+            "findings": [],
+        }
+        self.results["step"] = info
+        for loss in step_bench.LOSSES:
+            self.bar.set_description(f"{size}: JAX train step, {loss}")
+            group = step_bench.run_group(
+                spec, loss, self.plan(spec), self.counter, self.tick, self.options.seed
+            )
+            self.tick()
+            self.add_cases("step", size, loss, group.timings, group.first)
+            info["rows"] += step_rows(group)
+            self.results["compile"] += _compile_rows(size, "step", loss, group.first, group.timings)
+            del group
+            gc.collect()
+        self.bar.set_description("JAX scalers: skip and growth checks")
+        checks, findings = scaler_checks.run_checks()
+        info["checks"] = [dataclasses.asdict(c) for c in checks]
+        info["findings"] = [dataclasses.asdict(f) for f in findings]
+        self.tick()
+
     def host(self) -> None:
         """The host cost per gradient tensor: one-element gradients, every optimizer."""
         plan = Plan(
@@ -557,8 +640,9 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
     samples in seconds, its statistics, first step and compilations after warm-up), and the
     derived rows the tables show: ``whole`` (whole iterations), ``torch`` (scaler only,
     gradients refilled in place), ``ddp`` (settings, rows or error; ``None`` if not run),
-    ``jax``, ``bandwidth``, ``floor``, ``host`` (host cost per gradient tensor) and
-    ``compile``.
+    ``step`` (the JAX train step: size, peer versions, rows, the scalers' checks and the peers'
+    misbehaviours; ``None`` if not run), ``jax``, ``bandwidth``, ``floor``, ``host`` (host cost
+    per gradient tensor) and ``compile``.
 
     Args:
         options: what to run.
@@ -580,6 +664,8 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
                 state.size(size)
         if "ddp" in options.sections:
             state.ddp()
+        if "step" in options.sections:
+            state.step()
         if "host" in options.sections:
             state.host()
     meta = results["meta"]

@@ -340,9 +340,10 @@ def test_donated_step_needs_no_parameter_sized_temporary(inner):
     With ``lax.cond`` the updates left the branch as a whole temporary array (as large as the
     parameters, fresh memory on every call); selecting only at the end made XLA copy every
     moment first. Selecting each state leaf where it is defined (inside a nested ``jit`` too)
-    lets XLA write moments and parameters in place, as for the plain optimizer.
+    lets XLA write moments and parameters in place, as for the plain optimizer. The overflow
+    check reads one leaf at a time: on the CPU, at most one leaf's unscaled copy is alive.
     """
-    params = {f"w{i}": jnp.ones((256, 256 + i), jnp.float32) for i in range(4)}
+    params = {f"w{i}": jnp.ones((256, 256 + i), jnp.float32) for i in range(8)}
     tx = amp_core.with_loss_scaling(inner, amp_core.DynamicLossScale())
 
     def step(params, opt_state, grads):
@@ -353,8 +354,8 @@ def test_donated_step_needs_no_parameter_sized_temporary(inner):
     memory = compiled.memory_analysis()
     if memory is None:
         pytest.skip("this backend reports no memory analysis")
-    param_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
-    assert memory.temp_size_in_bytes < param_bytes / 8
+    largest = max(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
+    assert memory.temp_size_in_bytes < 1.25 * largest
 
 
 def test_jitted_inner_update_matches_the_plain_one():

@@ -1,8 +1,8 @@
 """The benchmark harness runs end to end on small settings and emits every field (never a timing).
 
 The end-to-end run uses size S (20 tensors: its compilations are quicker than tiny's 148), every
-section (the host-cost section with 3 and 5 one-element gradients), one timed step per round and
-two rounds. The report's rendering of other cases (sections
+section (the host-cost section with 3 and 5 one-element gradients, the JAX train step on S's
+layout), one timed step per round and two rounds. The report's rendering of other cases (sections
 left out, overflows, subnormals, a failed DDP section) is checked on edited copies of its results.
 """
 
@@ -26,9 +26,12 @@ from benchmarks import (
     host_bench,
     host_profile,
     jax_bench,
+    plots,
     report,
     runner,
+    scaler_checks,
     sizes,
+    step_bench,
     timing,
     torch_bench,
     whole_bench,
@@ -67,7 +70,7 @@ def one_torch_thread() -> Iterator[None]:
 def run_dir(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Path:
     out = tmp_path_factory.mktemp("bench")
     argv = ["--sizes", "S", "--rounds", str(ROUNDS), "--iters", "1", "--warmup", "1"]
-    argv += ["--host-tensors", ",".join(map(str, HOST_TENSORS))]
+    argv += ["--host-tensors", ",".join(map(str, HOST_TENSORS)), "--step-size", "S"]
     assert cli.main([*argv, "--out", str(out), "--no-progress"]) == 0
     return out
 
@@ -100,6 +103,7 @@ def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
         | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.WHOLE_VARIANTS}
         | {("ddp", DDP_GROUP, v) for v in whole_bench.VARIANTS}
         | {("host", o, v) for o in host_bench.OPTIMIZERS for v in host_bench.VARIANTS}
+        | {("step", loss, v) for loss in step_bench.LOSSES for v in step_bench.VARIANTS}
     )
     cases = results["cases"]
     assert {(c["section"], c["group"], c["variant"]) for c in cases} == expected
@@ -152,6 +156,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         "whole",
         "torch",
         "ddp",
+        "step",
         "jax",
         "bandwidth",
         "floor",
@@ -230,6 +235,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         | {("ddp", f"{v}, DDP, {DDP_GROUP}") for v in facades}
         | {("jax", v) for v in jax_bench.VARIANTS}
         | {("host", f"facade, {o}") for o in host_bench.OPTIMIZERS}
+        | {("step", f"{v}, {loss}") for loss in step_bench.LOSSES for v in step_bench.VARIANTS}
     )
     for row in results["compile"]:
         assert row["compiles_after_warmup"] == 0
@@ -261,10 +267,11 @@ HEADINGS = (
     "## 1. Whole iteration of the documented loop",
     "## 2. Scaler only, gradients refilled in place",
     "## 3. Whole iteration under DistributedDataParallel, 2 ranks",
-    "## 4. JAX-native",
-    "## 5. Bandwidth floor",
-    "## 6. Host cost per gradient tensor",
-    "## 7. Compilation",
+    "## 4. The JAX train step as users write it",
+    "## 5. Second view, gradients as inputs",
+    "## 6. Bandwidth floor",
+    "## 7. Host cost per gradient tensor",
+    "## 8. Compilation",
 )
 
 
@@ -298,6 +305,7 @@ def test_markdown_renders_the_sections_that_ran(results: dict[str, Any]) -> None
         **results,
         "torch": [],
         "ddp": None,
+        "step": None,
         "jax": [],
         "bandwidth": [],
         "floor": [],
@@ -307,17 +315,19 @@ def test_markdown_renders_the_sections_that_ran(results: dict[str, Any]) -> None
     text = report.markdown(whole_only)
     assert "## 1. Whole iteration of the documented loop" in text
     assert "## 2. Compilation" in text
-    assert "Scaler only" not in text and "JAX-native" not in text and "DistributedData" not in text
+    assert "Scaler only" not in text and "gradients as inputs" not in text
+    assert "DistributedData" not in text and "JAX train step" not in text
     zero = {"gradients": 0, "adamw_state": 0}
     whole = {"tensors": 148, "params": 39904, "batch": 1, "tokens": 16, "subnormals": zero}
     tiny = {"tensors": 148, "params": 148, "whole": whole}
     text = report.markdown({**results, "sizes": {"tiny": tiny}})
     assert "tiny = 148 tensors, 148 params (whole-iteration model: 148 tensors, 39,904" in text
-    scaler_only = {**results, "whole": [], "ddp": None}
+    scaler_only = {**results, "whole": [], "ddp": None, "step": None}
     text = report.markdown(scaler_only)
     assert "## 1. Scaler only, gradients refilled in place" in text
     assert "Whole iteration" not in text
     host_only = {**results, "sizes": {}, "whole": [], "torch": [], "ddp": None, "jax": []}
+    host_only["step"] = None
     text = report.markdown({**host_only, "bandwidth": [], "floor": [], "compile": []})
     assert "## 1. Host cost per gradient tensor" in text and "Sizes:" not in text
 
@@ -426,19 +436,21 @@ def test_cli_selects_sections(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         ([], runner.SECTIONS),
         (["--sections", "whole"], ("whole",)),
         (["--sections", "scaler,jax"], ("scaler", "jax")),
-        (["--no-ddp"], ("whole", "scaler", "jax", "host")),
+        (["--no-ddp"], ("whole", "scaler", "step", "jax", "host")),
+        (["--sections", "step", "--step-size", "S"], ("step",)),
         (["--sections", "host", "--host-tensors", "7,9"], ("host",)),
     ):
         with pytest.raises(SystemExit):
             cli.main([*argv, "--out", str(tmp_path)])
         assert seen[-1].sections == sections
     assert seen[0].sizes == sizes.DEFAULT_SIZES and seen[0].ddp_size == "S"
+    assert seen[0].step_size == "M" and seen[4].step_size == "S"
     assert seen[0].host_tensors == host_bench.TENSORS and seen[-1].host_tensors == (7, 9)
     with pytest.raises(SystemExit, match="no section left"):
         cli.main(["--sections", "ddp", "--no-ddp"])
 
 
-@pytest.mark.parametrize("module", [timing, sizes, report, host_bench])
+@pytest.mark.parametrize("module", [timing, sizes, report, host_bench, step_bench, plots])
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
@@ -452,6 +464,7 @@ def test_bad_arguments_are_rejected() -> None:
         ["--ddp-size", "XL"],
         ["--host-tensors", "0"],
         ["--host-tensors", "a,b"],
+        ["--step-size", "XL"],
     ):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(argv)
@@ -459,6 +472,8 @@ def test_bad_arguments_are_rejected() -> None:
         runner.run(runner.BenchOptions(sizes=("XL",)))
     with pytest.raises(ValueError, match="unknown sections"):
         runner.run(runner.BenchOptions(sizes=("tiny",), sections=("whole", "floor")))
+    with pytest.raises(ValueError, match="unknown step size 'tiny'"):
+        runner.run(runner.BenchOptions(sizes=("S",), sections=("step",), step_size="tiny"))
 
 
 def _assert_positive_stats(stats: dict[str, Any]) -> None:
@@ -539,3 +554,57 @@ def test_time_calls_with_unscale(one_torch_thread: None) -> None:
     times = host_profile.time_calls(loop, unscale=True)
     assert list(times) == ["loss", "scale", "backward", "unscale_", "step", "update"]
     assert all(t >= 0 for t in times.values())
+
+
+def test_step_section_has_every_row_check_and_note(results: dict[str, Any], markdown: str) -> None:
+    step = results["step"]
+    assert (step["size"], step["tensors"], step["params"]) == ("S", S_TENSORS, S_PARAMS)
+    assert set(step["versions"]) == set(step_bench.PEER_PACKAGES)
+    assert all(v for v in step["versions"].values())  # the bench extra is installed
+    rows = step["rows"]
+    assert {(r["loss"], r["variant"]) for r in rows} == {
+        (loss, v) for loss in step_bench.LOSSES for v in step_bench.VARIANTS
+    }
+    for row in rows:
+        for key in ("ms", "ratio_plain", "ratio_floor", "ratio_gated_floor"):
+            _assert_stats(row[key])
+        assert row["traces"] >= 1
+        assert row["skip"] == step_bench.USAGE[row["variant"]].skip
+        if row["variant"] == step_bench.PLAIN:
+            assert row["ratio_plain"]["median"] == 1.0
+        if row["variant"] in (step_bench.WITH_LOSS_SCALING, step_bench.APPLY_SCALED):
+            assert row["traces"] == 1 and row["counts_skips"]
+    checks = {c["scaler"]: c for c in step["checks"]}
+    assert list(checks) == list(step_bench.SCALERS)
+    for name in (step_bench.WITH_LOSS_SCALING, step_bench.APPLY_SCALED):
+        check = checks[name]
+        assert check["error"] is None
+        assert check["skip_bit_identical"] and check["scale_halved"] and check["counts_skips"]
+        assert check["gradients_exact"] and check["mismatches"] == [] and check["traces"] == 1
+        assert check["growth_step"] == 3  # steps_per_increase=2: the third finite step doubles
+        assert len(check["scales"]) == len(scaler_checks.FACTORS)
+    for finding in step["findings"]:
+        assert set(finding) == {"scaler", "title", "reproduction", "observed"}
+        assert finding["scaler"] in step_bench.PEER_PACKAGES
+        assert f"* **{finding['scaler']}**: {finding['title']}." in markdown
+    for name in step_bench.VARIANTS:
+        assert f"| {name} | " in markdown
+    assert "Skip and growth check of every scaler" in markdown
+
+
+def test_plots_are_valid_pngs(results: dict[str, Any], tmp_path: Path) -> None:
+    import matplotlib.image
+
+    written = plots.write_plots(results, tmp_path)
+    assert [p.name for p in written] == [plots.STEP_PNG, plots.WHOLE_PNG, plots.HOST_PNG]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert width > 400 and height > 150
+    only_host = {**results, "step": None, "whole": []}
+    assert [p.name for p in plots.write_plots(only_host, tmp_path / "host")] == [plots.HOST_PNG]
+
+
+def test_run_dir_holds_the_plots(run_dir: Path) -> None:
+    for name in (plots.STEP_PNG, plots.WHOLE_PNG, plots.HOST_PNG):
+        assert (run_dir / name).read_bytes()[:4] == b"\x89PNG"

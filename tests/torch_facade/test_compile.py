@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -255,6 +256,9 @@ def test_no_recompilation_after_warm_up(runs):
     assert compiled.graph_calls == (STEPS - WARM_UP) * pattern.graphs_per_step
 
 
+_CHECKOUT = str(Path(__file__).resolve().parents[2])
+
+
 def test_dynamo_breaks_only_at_the_facade_boundary(runs):
     """Dynamo never traces into the facade's host side (JAX included): every graph break it
     reports is the facade's marked boundary or one torch makes itself; and no warning (such as
@@ -262,7 +266,10 @@ def test_dynamo_breaks_only_at_the_facade_boundary(runs):
     pattern, _, compiled = runs
     for reason in compiled.breaks:
         assert any(allowed in reason for allowed in ALLOWED_BREAKS), reason
-        assert "jax" not in reason.replace(_host_side.REASON, "").lower()
+        # File paths in the reason are the checkout's and the venv's (a checkout named after
+        # JAX, such as .../i26-jax/.venv/..., would otherwise fail this).
+        text = reason.replace(_host_side.REASON, "").replace(_CHECKOUT, "")
+        assert "jax" not in text.lower()
     if pattern.name != "compiled model":  # the facade's calls are inside the compiled function
         assert any(_host_side.REASON in reason for reason in compiled.breaks)
     dynamo_warnings = [w for w in compiled.warnings if "lru_cache" in w or "Dynamo" in w]
