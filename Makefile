@@ -1,13 +1,15 @@
 # Two entry points for a fresh machine with only Python 3.11 and pip:
 #   make demo   - the main job: a mixed-precision training run with an overflow episode
-#   make test   - ruff (check + format) and the whole test suite, notebooks included
+#   make test   - ruff (check + format), mypy and the whole test suite, notebooks included
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint format bench bench-large device-check clean
+.PHONY: demo test lint typecheck format dist bench bench-large device-check clean
 
+# The library with its torch extra and the dev tools; torch is pinned (constraints.txt) to the
+# CPU wheel cached on the project's machines.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -21,12 +23,22 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: lint
+# tests/test_packaging.py builds both artifacts too (in a temporary folder) and checks them.
+test: lint typecheck
 	$(PY) -m pytest -n 2 --dist loadfile
+
+# The sdist and the wheel, checked by twine, in dist/.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
@@ -41,4 +53,4 @@ device-check: $(STAMP)
 		$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build dist *.egg-info

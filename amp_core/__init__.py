@@ -53,6 +53,9 @@ from amp_core.transforms import (
     with_loss_scaling,
 )
 
+__version__ = "0.1.0"
+"""The version of the ``cstorch-amp`` distribution (its one source: pyproject reads it)."""
+
 __all__ = [
     "CLIP_EPSILON",
     "DynamicLossScale",

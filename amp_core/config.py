@@ -95,7 +95,7 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         half = canonical_half_dtype(self.half_dtype, argument="half_dtype")
         defaults = loss_scale_defaults(half)
-        resolved = {
+        resolved: dict[str, Any] = {
             "half_dtype": half,
             "init_scale": positive_finite(
                 "init_scale", _default(self.init_scale, defaults.init_scale)
@@ -260,7 +260,7 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, numbers.Integral):
         number = int(value)
     elif isinstance(value, numbers.Real) and float(value).is_integer():
-        number = int(value)
+        number = int(float(value))
     elif isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a whole number; got {value!r}")
     else:

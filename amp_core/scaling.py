@@ -7,7 +7,7 @@ each gradient's dtype.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -225,7 +225,7 @@ def check_sum_of_squares(
     """
     inv_scale = jnp.float32(1.0) if unscaled else inverse_scale(state)
     norm = jnp.sqrt(_scalar("sum_of_squares", sum_of_squares))
-    if not config.is_dynamic:
+    if not isinstance(config, DynamicLossScale):
         return GradCheck(inv_scale, jnp.asarray(True), norm)
     isfinite = norm < jnp.float32(jnp.inf)
     multiplier = inv_scale
@@ -367,7 +367,7 @@ def update(
     steps = jnp.where(decrease, zero, steps)
     overflows = jnp.where(decrease, zero, overflows)
 
-    increase = config.steps_per_increase < steps
+    increase = cast(int, config.steps_per_increase) < steps  # resolved: never None
     scale = jnp.where(increase, scale * 2, scale)
     steps = jnp.where(increase, zero, steps)
     overflows = jnp.where(increase, zero, overflows)
@@ -428,7 +428,7 @@ def is_stalled(config: LossScaleConfig, state: LossScaleState) -> jax.Array:
     """
     if not isinstance(config, DynamicLossScale):
         return jnp.asarray(False)
-    return state.overflows_at_min_scale >= config.stall_steps
+    return state.overflows_at_min_scale >= cast(int, config.stall_steps)  # resolved: never None
 
 
 class StepResult(NamedTuple):
@@ -535,8 +535,9 @@ def select_if_finite(isfinite: jax.typing.ArrayLike, new_tree: Any, old_tree: An
         Array([0., 0.], dtype=float32)
     """
     isfinite = _scalar("isfinite", isfinite, jnp.bool_)
-    new_def = jax.tree_util.tree_structure(new_tree)
-    old_def = jax.tree_util.tree_structure(old_tree)
+    # Annotated: jax's own annotation of tree_structure does not resolve for mypy.
+    new_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(new_tree)
+    old_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(old_tree)
     if new_def != old_def:
         raise ValueError(
             f"select_if_finite needs new_tree and old_tree of the same structure; "

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amp_core.config import LossScaleConfig, positive_finite, real_number
+from amp_core.config import DynamicLossScale, LossScaleConfig, positive_finite, real_number
 
 COUNTER_DTYPE = jnp.int32
 """Integer dtype of the step counters inside JAX (``state_dict`` returns Python ints)."""
@@ -73,21 +73,24 @@ def init_on_host(config: LossScaleConfig) -> LossScaleState:
         >>> type(state.loss_scale).__name__, float(state.loss_scale)
         ('ndarray', 32768.0)
     """
-    if config.is_dynamic:
-        scale = min(config.max_loss_scale, config.init_scale)
+    if isinstance(config, DynamicLossScale):
+        # Resolved in __post_init__: never None on an instance.
+        scale = min(cast(float, config.max_loss_scale), cast(float, config.init_scale))
     else:
         scale = config.loss_scale
     counter = np.dtype(COUNTER_DTYPE)
-    return LossScaleState(
-        loss_scale=np.full((), scale, np.float32),
-        non_clamped_scale=np.full((), scale, np.float32),
-        steps_since_rescale=np.zeros((), counter),
-        overflows_since_rescale=np.zeros((), counter),
-        num_skipped_steps=np.zeros((), counter),
-        isfinite=np.ones((), np.bool_),
-        global_norm=np.zeros((), np.float32),
-        overflows_at_min_scale=np.zeros((), counter),
+    leaves = (
+        np.full((), scale, np.float32),  # loss_scale
+        np.full((), scale, np.float32),  # non_clamped_scale
+        np.zeros((), counter),  # steps_since_rescale
+        np.zeros((), counter),  # overflows_since_rescale
+        np.zeros((), counter),  # num_skipped_steps
+        np.ones((), np.bool_),  # isfinite
+        np.zeros((), np.float32),  # global_norm
+        np.zeros((), counter),  # overflows_at_min_scale
     )
+    # NumPy leaves stand in for jax.Array: every function here accepts them.
+    return LossScaleState(*(cast(jax.Array, leaf) for leaf in leaves))
 
 
 _DYNAMIC_KEYS = (

@@ -145,13 +145,14 @@ def _update_or_keep(
     """
     closed, shapes = jax.make_jaxpr(inner_update, return_shape=True)(grads, inner_state)
     new_updates_shape, new_state_shape = shapes
-    state_def = jax.tree_util.tree_structure(inner_state)
+    # Annotated: jax's own annotation of tree_structure does not resolve for mypy.
+    state_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(inner_state)
     if jax.tree_util.tree_structure(new_state_shape) != state_def:
         raise TypeError(
             "inner.update must return a state of the structure it was given; got "
             f"{jax.tree_util.tree_structure(new_state_shape)} for {state_def}"
         )
-    updates_def = jax.tree_util.tree_structure(new_updates_shape)
+    updates_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(new_updates_shape)
     jaxpr = closed.jaxpr
     old_leaves = jax.tree_util.tree_leaves(inner_state)
     state_in = jaxpr.invars[len(jaxpr.invars) - len(old_leaves) :]

@@ -10,7 +10,7 @@ or ``make device-check`` (CUDA when torch sees a GPU, else the CPU), or on the C
 
 It writes ``DIR/device_check.json`` (every number) and ``DIR/device_check.md`` (the tables),
 rewritten after every section, so a run stopped half-way leaves what it had. The exit status is
-0 when the correctness section passed and no section raised; a section that raises records
+0 when the correctness and compiled sections passed and no section raised; a section that raises records
 ``{"error", "traceback", "seconds"}`` and the check goes on with the next.
 
 Sections, in the order they run (``--sections`` picks some):
@@ -46,6 +46,13 @@ Sections, in the order they run (``--sections`` picks some):
     ``make bench``'s whole-iteration table (medians over rounds; on CUDA every iteration ends
     with ``torch.cuda.synchronize()``); and ``per_call``: the median host microseconds of
     ``scale``, ``unscale_``, ``step`` and ``update`` on 148 tensors, for both scalers.
+``compiled``
+    The facade around ``torch.compile``'d code, against the same loop run eagerly: a compiled
+    model and a compiled whole train step, each also with ``mode="reduce-overhead"`` (CUDA
+    graphs; CUDA only), faults injected: the same skipped steps and scales, parameters
+    bit-identical across skipped steps and close to the eager run's, nothing compiled after
+    warm-up, graph breaks, CUDA graph skips, and the median iteration time of each
+    (:mod:`benchmarks.device_compiled`; ``--quick`` on the CPU: a width-16 model).
 
 How to read the report: ``passed`` at the top is the verdict; then ``environment`` (versions,
 GPU, driver, the XLA/CUDA environment variables, JAX's backend and devices, read after the memory
@@ -74,13 +81,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import device_correctness, device_probes, device_report
+from benchmarks import device_compiled, device_correctness, device_probes, device_report
 from benchmarks.cli import comma_names
 from benchmarks.report import _finite
 from benchmarks.sizes import SIZES
 from benchmarks.timing import CompileCounter, Plan
 
-SECTIONS = ("memory", "correctness", "host_syncs", "timings")
+SECTIONS = ("memory", "correctness", "host_syncs", "timings", "compiled")
 """The sections, in the order they run (memory first: it must see JAX uninitialized)."""
 
 JSON_KEYS = {
@@ -88,6 +95,7 @@ JSON_KEYS = {
     "correctness": "correctness",
     "host_syncs": "host_syncs_per_iteration",
     "timings": "timings",
+    "compiled": "compiled",
 }
 """The JSON key of each section."""
 
@@ -259,6 +267,7 @@ class DeviceCheck:
             "correctness": self._correctness,
             "host_syncs": lambda: device_probes.host_syncs(self.device, self.quick, self.seed),
             "timings": self._timings,
+            "compiled": lambda: device_compiled.run(self.device, self.quick, self.seed),
         }
         return functions[name]
 
@@ -279,12 +288,12 @@ class DeviceCheck:
         return result
 
     def verdict(self) -> bool:
-        """Correctness passed (where it ran) and no section raised."""
+        """Correctness and the compiled patterns passed (where they ran), no section raised."""
         ran = [self.results[JSON_KEYS[s]] for s in self.sections]
         if any(r is None or "error" in r for r in ran):
             return False
-        correctness = self.results["correctness"]
-        return correctness is None or bool(correctness.get("passed"))
+        checked = [self.results["correctness"], self.results["compiled"]]
+        return all(section is None or bool(section.get("passed")) for section in checked)
 
     def write(self) -> tuple[Path, Path]:
         """Writes the JSON and markdown reports of the results so far."""
@@ -335,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.device_check",
         description="Check the facade on a device against torch.amp.GradScaler: memory shared "
         "with torch, correctness, host synchronisations and timings. Writes device_check.json "
-        "and device_check.md; exits 1 if correctness failed or a section raised.",
+        "and device_check.md; exits 1 if correctness or a compiled pattern failed or a section "
+        "raised.",
     )
     parser.add_argument(
         "--device",
@@ -368,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the check and prints the markdown report.
 
     Returns:
-        0 when correctness passed and no section raised, else 1.
+        0 when correctness and the compiled patterns passed and no section raised, else 1.
     """
     args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

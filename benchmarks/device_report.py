@@ -244,11 +244,64 @@ def _timings(section: dict[str, Any]) -> list[str]:
     return out
 
 
+def _compiled(section: dict[str, Any]) -> list[str]:
+    model, settings, eager = section["model"], section["settings"], section["eager"]
+    out = [
+        f"Model {model['layout']} ({model['tensors']} tensors, {model['params']:,} params), "
+        f"{model['optimizer']}, {model['autocast']} autocast, `unscale_` + `clip_grad_norm_`; "
+        f"inf losses at steps {settings['fault_steps']}. Each pattern against the eager loop: "
+        f"skips and scales equal, parameters unchanged on skipped steps, at most "
+        f"{_sci(settings['param_atol'])} from eager at the end, no graph compiled after "
+        f"{settings['warm_up']} warm-up steps. Eager: {_num(eager['median_ms'])} ms per "
+        f"iteration (median of {settings['timed_iterations']}). "
+        f"Verdict: {'passed' if section['passed'] else '**FAILED**'}.",
+        "",
+    ]
+    rows = []
+    for row in section["rows"]:
+        if not row["applicable"]:
+            rows.append([row["pattern"], f"n/a: {row['reason']}", *[""] * 7])
+            continue
+        rows.append(
+            [
+                row["pattern"],
+                _yes(row["passed"]),
+                _yes(row["same_skips"] and row["same_scales"]),
+                _yes(all(row["unchanged_on_skips"])),
+                _sci(row["max_param_diff"]),
+                str(row["compiles_after_warmup"]),
+                f"{row['graph_breaks']} ({row['facade_graph_breaks']})",
+                str(row["cudagraph_skips"]),
+                _num(row["median_ms"]),
+            ]
+        )
+    out += _table(
+        [
+            "pattern",
+            "passed",
+            "skips, scales",
+            "skipped unchanged",
+            "max diff",
+            "compiles after warm-up",
+            "breaks (facade's)",
+            "CUDA graph skips",
+            "ms / iteration",
+        ],
+        rows,
+        ["l", "l", "l", "l", "r", "r", "r", "r", "r"],
+    )
+    reasons = sorted({r for row in section["rows"] for r in row.get("cudagraph_skip_reasons", [])})
+    if reasons:
+        out += ["", "CUDA graph skip reasons: " + "; ".join(f"`{r}`" for r in reasons) + "."]
+    return out
+
+
 SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], list[str]]], ...] = (
     ("memory", "Memory", _memory),
     ("correctness", "Correctness against torch.amp.GradScaler", _correctness),
     ("host_syncs_per_iteration", "Host synchronisations per iteration", _host_syncs),
     ("timings", "Timings", _timings),
+    ("compiled", "The facade around torch.compile", _compiled),
 )
 """JSON key, heading and renderer of each section, in report order."""
 
@@ -262,7 +315,7 @@ def markdown(results: dict[str, Any]) -> str:
     out = [
         f"# Device check: {device}{', quick' if results['quick'] else ''}",
         "",
-        f"Verdict: {verdict} (correctness passed and no section raised). `{results['command']}` "
+        f"Verdict: {verdict} (correctness and the compiled patterns passed, no section raised). `{results['command']}` "
         f"on {results['date']}, wall time {_num(wall)} s.",
         "",
         *_environment(results),

@@ -156,14 +156,14 @@ def _torch_device_parts(torch_device: Any) -> tuple[str, int | None]:
         if index and not index.isdigit():
             raise ValueError(f"torch_device {torch_device!r} is not of the form 'type[:index]'")
         return kind, int(index) if index else None
-    kind = getattr(torch_device, "type", None)
-    if not isinstance(kind, str):
+    kind_attr = getattr(torch_device, "type", None)
+    if not isinstance(kind_attr, str):
         raise ValueError(
             f"torch_device must be a torch.device, an object with .type and .index, or a string "
             f"such as 'cuda:0'; got {torch_device!r}"
         )
-    index = getattr(torch_device, "index", None)
-    return kind, None if index is None else int(index)
+    index_attr = getattr(torch_device, "index", None)
+    return kind_attr, None if index_attr is None else int(index_attr)
 
 
 def _describe(devices: list[Any]) -> str:

@@ -67,6 +67,7 @@ def canonical_half_dtype(value: Any, *, argument: str = "half_dtype") -> str:
         >>> canonical_half_dtype(jnp.bfloat16)
         'bfloat16'
     """
+    name: str | None
     if isinstance(value, str):
         name = value
     else:

@@ -12,7 +12,7 @@ grid (typically every layer's output), just as the hardware rounds each operatio
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -90,22 +90,27 @@ class Policy:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, canonical_dtype(getattr(self, field), argument=field))
 
+    def _dtype(self, field: str) -> PolicyDType:
+        """A dtype field, canonical since ``__post_init__`` (a string only before it)."""
+        return cast(PolicyDType, getattr(self, field))
+
     def cast_to_param(self, tree: Any) -> Any:
         """Casts the floating leaves of ``tree`` to ``param_dtype``."""
-        return cast_tree(tree, self.param_dtype)
+        return cast_tree(tree, self._dtype("param_dtype"))
 
     def cast_to_compute(self, tree: Any) -> Any:
         """Casts the floating leaves of ``tree`` to ``compute_dtype`` (rounding if emulated)."""
-        return cast_tree(tree, self.compute_dtype)
+        return cast_tree(tree, self._dtype("compute_dtype"))
 
     def cast_to_output(self, tree: Any) -> Any:
         """Casts the floating leaves of ``tree`` to ``output_dtype``."""
-        return cast_tree(tree, self.output_dtype)
+        return cast_tree(tree, self._dtype("output_dtype"))
 
     def __str__(self) -> str:
         return (
-            f"params={dtype_name(self.param_dtype)},compute={dtype_name(self.compute_dtype)},"
-            f"output={dtype_name(self.output_dtype)}"
+            f"params={dtype_name(self._dtype('param_dtype'))},"
+            f"compute={dtype_name(self._dtype('compute_dtype'))},"
+            f"output={dtype_name(self._dtype('output_dtype'))}"
         )
 
 
@@ -186,7 +191,7 @@ def _cast_leaf(leaf: Any, dtype: PolicyDType) -> Any:
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
         return leaf
     if isinstance(dtype, FloatFormat):
-        return dtype.cast(leaf)
+        return dtype.cast(jnp.asarray(leaf))
     return jnp.asarray(leaf).astype(dtype)
 
 

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import device_check, device_correctness, device_report
+from benchmarks import device_check, device_compiled, device_correctness, device_report
 
 REPO = Path(__file__).resolve().parents[2]
-SECTION_KEYS = ("memory", "correctness", "host_syncs_per_iteration", "timings")
-CPU_QUICK_TIMEOUT_S = 240  # about 10 s on an idle 2-core machine
-GPU_TIMEOUT_S = 8 * 60
+SECTION_KEYS = ("memory", "correctness", "host_syncs_per_iteration", "timings", "compiled")
+CPU_QUICK_TIMEOUT_S = 480  # about 45 s on an idle 2-core machine (inductor compiles C++)
+GPU_TIMEOUT_S = 10 * 60  # the compiled section adds four inductor compilations
 
 
 def _run_check(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -111,6 +111,26 @@ def _assert_common(results: dict[str, Any], device: str) -> None:
             median = row[key]["median"]
             assert median is not None and math.isfinite(median) and median > 0
         assert row["torch_skipped_steps"] == row["facade_skipped_steps"] == 0
+    compiled = results["compiled"]
+    assert compiled["passed"] is True
+    assert [r["pattern"] for r in compiled["rows"]] == list(device_compiled.PATTERNS)
+    assert compiled["eager"]["flags"] == [
+        step not in device_compiled.FAULT_STEPS for step in range(compiled["settings"]["steps"])
+    ]
+    for row in compiled["rows"]:
+        if not row["applicable"]:
+            assert device != "cuda" and row["pattern"] in device_compiled.CUDA_ONLY
+            continue
+        assert row["passed"] and row["same_skips"] and row["same_scales"]
+        assert row["unchanged_on_skips"] == [True] * len(device_compiled.FAULT_STEPS)
+        assert row["compiles_after_warmup"] == 0 and row["graphs"] > 0
+        assert row["max_param_diff"] <= device_compiled.PARAM_ATOL
+        assert row["median_ms"] > 0
+        if row["pattern"].startswith("train step"):  # scale, unscale_, step, update
+            assert row["facade_graph_breaks"] == 4
+        else:
+            assert row["facade_graph_breaks"] == 0
+
     calls = timings["per_call"]
     assert calls["tensors"] == 148
     assert len(calls["rows"]) == 2 * 2 * 2  # optimizers x loops x scalers
@@ -139,10 +159,13 @@ def test_cpu_quick_check_writes_every_field(cpu_quick: tuple[dict[str, Any], str
         "## 2. Correctness against torch.amp.GradScaler",
         "## 3. Host synchronisations per iteration",
         "## 4. Timings",
+        "## 5. The facade around torch.compile",
     ):
         assert heading in markdown
     assert "**PASSED**" in markdown and "Verdict: passed" in markdown
     assert "| dls | AdamW fused | yes |" in markdown
+    assert "| model, reduce-overhead | n/a: CUDA graphs need a GPU |" in markdown
+    assert "| train step | yes | yes | yes |" in markdown
 
 
 @pytest.mark.gpu
@@ -158,6 +181,7 @@ def test_cuda_full_check(tmp_path: Path) -> None:
     syncs = results["host_syncs_per_iteration"]
     assert syncs["applicable"] is True and len(syncs["rows"]) == 4
     assert set(results["timings"]["whole"]["sizes"]) == {"S", "M", "L"}
+    assert all(row["applicable"] for row in results["compiled"]["rows"])
 
 
 def test_a_raising_section_is_recorded_and_fails_the_check(
@@ -186,6 +210,9 @@ def test_a_failed_comparison_fails_the_verdict(tmp_path: Path) -> None:
     assert check.verdict() is False
     check.results["correctness"] = {"passed": True, "seconds": 1.0}
     assert check.verdict() is True
+    check = device_check.DeviceCheck("cpu", tmp_path, sections=["compiled"])
+    check.results["compiled"] = {"passed": False, "seconds": 1.0}
+    assert check.verdict() is False
 
 
 def test_command_line_is_validated(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from hardware.half_dtypes import DEFAULT_HALF_DTYPE, HALF_DTYPES
+from torch_facade.amp._host_side import host_side
 
 _PROXY_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -46,6 +47,7 @@ def _half_dtype_name(value: Any) -> str:
     )
 
 
+@host_side
 def set_half_dtype(value: str | torch.dtype) -> torch.dtype:
     """Sets the 16-bit floating point dtype of mixed precision, and enables mixed precision.
 
@@ -98,6 +100,7 @@ def get_half_dtype_str() -> str:
     return _STATE.half_dtype
 
 
+@host_side
 def enable_mixed_precision(enable: bool = True) -> bool:
     """Switches mixed precision on or off (the half dtype is kept), as the reference does.
 
@@ -200,7 +203,21 @@ def _checked_autocast(device_type: str, dtype: torch.dtype, note: str = "") -> I
     it) and, for a dtype its device does not support, warns and runs with autocast *disabled*.
     Both become a ``ValueError`` here (``note`` appended), so a model never silently runs
     without autocast.
+
+    In ``torch.compile``'d code dynamo traces ``torch.autocast`` itself (it cannot trace the
+    warnings machinery, and a graph break inside a context manager would make it run the whole
+    function uncompiled): there the check is whether autocast is on once entered; a rejected
+    dtype makes dynamo fall back to running the function eagerly, where this raises as usual.
     """
+    if torch.compiler.is_compiling():
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            if not torch.is_autocast_enabled(device_type):
+                raise ValueError(
+                    f"torch.autocast does not support dtype {dtype} on device {device_type!r}"
+                    + note
+                )
+            yield
+        return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -219,6 +236,25 @@ def _checked_autocast(device_type: str, dtype: torch.dtype, note: str = "") -> I
             )
         for w in caught:  # unrelated warnings go on to the caller's filters
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        yield
+
+
+@contextlib.contextmanager
+def autocast_off(device_type: str) -> Iterator[None]:
+    """``torch.autocast(device_type, enabled=False)`` as a ``with`` statement of its own.
+
+    Entered through ``contextlib.ExitStack``, a ``torch.autocast`` object itself is not
+    recognised by dynamo (which then runs the whole compiled function eagerly); entered by a
+    ``with`` statement, in this generator, it is.
+
+    Example:
+        >>> import torch
+        >>> from torch_facade.amp._amp_state import autocast_off
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off("cpu"):
+        ...     torch.is_autocast_enabled("cpu")
+        False
+    """
+    with torch.autocast(device_type=device_type, enabled=False):
         yield
 
 
@@ -249,6 +285,14 @@ def _device_type_of(device_type: Any) -> str:
     return name
 
 
+def _default_device_type() -> str:
+    """The type of ``torch.get_default_device()``, which dynamo cannot trace: in compiled code,
+    that of a new empty tensor (where torch itself looks when the default has no index)."""
+    if torch.compiler.is_compiling():
+        return torch.empty(0).device.type
+    return torch.get_default_device().type
+
+
 def autocast_device_types(device_type: str | torch.device | None = None) -> tuple[str, ...]:
     """The device types :func:`autocast` covers: ``device_type``'s alone, else every device a
     model could be on: the CPU, the default device's type (``torch.get_default_device()``) and
@@ -262,7 +306,7 @@ def autocast_device_types(device_type: str | torch.device | None = None) -> tupl
     if device_type is not None:
         return (_device_type_of(device_type),)
     types = ["cpu"]
-    default = torch.get_default_device().type
+    default = _default_device_type()
     if default not in types and _autocast_available(default):
         types.append(default)
     if "cuda" not in types and torch.cuda.is_available():
@@ -321,7 +365,7 @@ def autocast(
     with contextlib.ExitStack() as stack:
         if _STATE.casts_disabled:
             for each in device_types:
-                stack.enter_context(torch.autocast(device_type=each, enabled=False))
+                stack.enter_context(autocast_off(each))
         else:
             for each in device_types:
                 note = ""

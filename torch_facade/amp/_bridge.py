@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +101,13 @@ def counter_on(torch_device: torch.device, value: int) -> jax.Array:
 
 def on_host(state: amp_core.LossScaleState) -> amp_core.LossScaleState:
     """The state as (writable) NumPy arrays: a host synchronisation if it is on a device."""
-    return amp_core.LossScaleState(*(np.array(leaf) for leaf in jax.device_get(tuple(state))))
+    return host_state(jax.device_get(tuple(state)))
+
+
+def host_state(leaves: Any) -> amp_core.LossScaleState:
+    """A state of writable NumPy copies of ``leaves`` (host values, in the state's order)."""
+    # NumPy leaves stand in for jax.Array: every amp_core function accepts them.
+    return amp_core.LossScaleState(*(cast(jax.Array, np.array(leaf)) for leaf in leaves))
 
 
 class FacadeStep(NamedTuple):

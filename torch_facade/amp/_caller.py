@@ -1,9 +1,13 @@
-"""Where a facade warning should point: the first frame outside the ``torch_facade`` package."""
+"""Where a facade warning should point: the first frame outside the ``torch_facade`` package
+(and outside the wrappers that :func:`~torch_facade.amp._host_side.host_side` adds)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import types
+
+from torch_facade.amp._host_side import WRAPPER_DIR
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,8 +24,9 @@ def stacklevel(also_skip: tuple[str, ...] = ()) -> int:
         >>> _caller.stacklevel() >= 1
         True
     """
-    skipped = (_PACKAGE, *also_skip)
-    frame, level = sys._getframe(1), 1
+    skipped = (_PACKAGE, WRAPPER_DIR, *also_skip)
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skipped):
         frame, level = frame.f_back, level + 1
     return level

@@ -86,7 +86,7 @@ def check(scaler: GradScaler, params: Iterable[torch.Tensor]) -> None:
         return
     _CHECKED.add(scaler)
     config = scaler.config
-    if not config.is_dynamic or config.half_dtype != "cbfloat16":
+    if not isinstance(config, amp_core.DynamicLossScale) or config.half_dtype != "cbfloat16":
         return
     if not (proxy_autocast or _float16_gradients(params)):
         return

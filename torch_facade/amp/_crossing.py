@@ -52,7 +52,7 @@ class Crossing:
     host_is_device: bool
 
 
-def views_its_input(crossing: Callable[[Any], Any], probe: Any, result_type: type) -> bool:
+def views_its_input(crossing: Callable[[Any], Any], probe: Any, result_type: type[Any]) -> bool:
     """Whether ``crossing(probe)`` (``probe``: float32 0..15) gives a ``result_type`` over the
     same memory with the same values: the self-check of a private crossing."""
     try:

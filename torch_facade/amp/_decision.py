@@ -128,6 +128,7 @@ class Decision:
         if self.clip is None:
             self.finish(optimizer)
         else:
+            assert self.unscale is not None  # set whenever clip is
             multiply(optimizer, self.unscale)
             self.pending[id(optimizer)] = self.clip
             self.unscaled.add(id(optimizer))

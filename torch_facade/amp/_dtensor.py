@@ -43,8 +43,9 @@ def local_values(grad: torch.Tensor) -> tuple[torch.Tensor, bool, Any]:
     """
     if type(grad) is torch.Tensor or not is_dtensor(grad):  # the first test is the fast path
         return grad, False, None
-    placements = grad.placements
-    mesh = grad.device_mesh
+    dtensor: Any = grad  # a DTensor: torch.Tensor's annotations lack its attributes
+    placements = dtensor.placements
+    mesh = dtensor.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
             "GradScaler supports DTensor gradients on a 1-D device mesh (FSDP2's fully_shard); "
@@ -56,4 +57,4 @@ def local_values(grad: torch.Tensor) -> tuple[torch.Tensor, bool, Any]:
             "GradScaler got a DTensor gradient with a Partial placement (not yet reduced across "
             "ranks); reduce it before the scaler reads it"
         )
-    return grad._local_tensor, placement.is_shard(), mesh
+    return dtensor._local_tensor, placement.is_shard(), mesh

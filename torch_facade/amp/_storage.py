@@ -44,7 +44,7 @@ def import_units(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
             alone.append(tensor)
             continue
         base = tensor._base
-        if _is_flat(base) and tensor.is_contiguous():
+        if base is not None and _is_flat(base) and tensor.is_contiguous():
             by_base.setdefault(id(base), []).append(tensor)
             bases[id(base)] = base
         else:

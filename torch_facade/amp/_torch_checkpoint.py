@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import amp_core
 from amp_core.config import positive_finite
@@ -47,22 +47,23 @@ def _keys(keys: Any) -> list[Any]:
 def _not_taken_over(state_dict: Mapping[Any, Any], config: amp_core.LossScaleConfig) -> list[str]:
     """What of a torch checkpoint this scaler does not take over, and why, one entry each."""
     tracker = state_dict.get("_growth_tracker")
-    if not config.is_dynamic:
+    if not isinstance(config, amp_core.DynamicLossScale):
         others = [k for k in TORCH_KEYS if k != "scale" and k in state_dict]
         return [f"{', '.join(others)} (a static loss scale never changes)"] if others else []
+    steps_per_increase = cast(int, config.steps_per_increase)  # resolved: never None
     entries = []
     if tracker is not None:
         entries.append(
             f"_growth_tracker={tracker!r} (torch's count of consecutive finite steps since its "
             "last growth; steps_since_rescale and overflows_since_rescale start from 0, so the "
-            f"next growth comes after steps_per_increase + 1 = {config.steps_per_increase + 1} "
+            f"next growth comes after steps_per_increase + 1 = {steps_per_increase + 1} "
             "steps)"
         )
     interval = state_dict.get("growth_interval")
-    if interval is not None and interval != config.steps_per_increase:
+    if interval is not None and interval != steps_per_increase:
         entries.append(
             f"growth_interval={interval!r} (this scaler keeps steps_per_increase="
-            f"{config.steps_per_increase}: pass GradScaler(steps_per_increase=...) to change it)"
+            f"{steps_per_increase}: pass GradScaler(steps_per_increase=...) to change it)"
         )
     for key, fixed in _TORCH_DEFAULTS.items():
         value = state_dict.get(key)

@@ -37,6 +37,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_facade.amp import _amp_state, _caller
+from torch_facade.amp._host_side import host_side
 
 __all__ = [
     "disable_casts",
@@ -114,7 +115,7 @@ _STATE = _CastingState()
 
 
 def _fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn)))
 
 
 def _is_float_tensor(x: Any) -> bool:
@@ -263,6 +264,7 @@ def _register(module: Any, name: Any, kind: str) -> None:
         _STATE.registry.append((module, name, kind))
 
 
+@host_side
 def register_half_function(module: Any, name: str) -> None:
     """Has :func:`init` patch ``module.name`` as :func:`half_function` would wrap it.
 
@@ -293,6 +295,7 @@ def register_half_function(module: Any, name: str) -> None:
     _register(module, name, "half")
 
 
+@host_side
 def register_float_function(module: Any, name: str) -> None:
     """Has :func:`init` patch ``module.name`` as :func:`float_function` would wrap it.
 
@@ -310,6 +313,7 @@ def register_float_function(module: Any, name: str) -> None:
     _register(module, name, "float")
 
 
+@host_side
 def register_promote_function(module: Any, name: str) -> None:
     """Has :func:`init` patch ``module.name`` as :func:`promote_function` would wrap it.
 
@@ -348,6 +352,7 @@ def _warn_float16_without_scaler(optimizer: torch.optim.Optimizer, args: Any, kw
         )
 
 
+@host_side
 def init(
     enabled: bool = True,
     enable_caching: bool = True,
@@ -442,6 +447,6 @@ def disable_casts() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for device_type in _DEVICE_TYPES:
             if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+                stack.enter_context(_amp_state.autocast_off(device_type))
         stack.enter_context(_amp_state.casts_disabled())
         yield

@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import jax
 import torch
@@ -55,6 +55,7 @@ from torch.nn.utils import parametrize
 
 from hardware import get_format, jax_device_for
 from torch_facade.amp import _bridge
+from torch_facade.amp._host_side import host_side
 
 __all__ = ["cast_to_cbfloat16", "cbfloat16_numerics", "round_to_cbfloat16"]
 
@@ -122,10 +123,12 @@ class _CastToCbfloat16(_RoundToCbfloat16):
     """A cast: rounds the values, and rounds the incoming gradient in the backward pass."""
 
     @staticmethod
+    @host_side  # torch's autograd engine calls it: the facade's other entry point into JAX
     def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
         return _round_values(grad_output).to(ctx.input_dtype)
 
 
+@host_side
 def cast_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     """Casts a floating tensor to cbfloat16 (in float32) in both directions, like ``.to(dtype)``.
 
@@ -148,6 +151,7 @@ def cast_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     return _CastToCbfloat16.apply(_check_floating_tensor(tensor, "tensor"))
 
 
+@host_side
 def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     """Rounds a floating tensor to the nearest cbfloat16 values, bit-exactly.
 
@@ -222,7 +226,7 @@ def _model_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     internal: set[int] = set()
     for owner in module.modules():
         if parametrize.is_parametrized(owner):
-            internal.update(id(m) for m in owner.parametrizations.modules())
+            internal.update(id(m) for m in _parametrizations(owner).modules())
     return [m for m in module.modules() if id(m) not in internal]
 
 
@@ -230,13 +234,18 @@ def _parametrized_tensors(modules: list[torch.nn.Module]) -> list[tuple[torch.nn
     """``(owner, name)`` of every parameter of ``modules`` (an existing parametrization counts
     as its owner's), each owner once per name: a parameter shared by two modules is
     parametrized in both."""
-    found = []
+    found: list[tuple[torch.nn.Module, str]] = []
     for owner in modules:
         names = [name for name, p in owner._parameters.items() if p is not None]
         if parametrize.is_parametrized(owner):
-            names += [n for n in owner.parametrizations if n not in names]
+            names += [n for n in _parametrizations(owner) if n not in names]
         found.extend((owner, name) for name in names)
     return found
+
+
+def _parametrizations(owner: torch.nn.Module) -> torch.nn.ModuleDict:
+    """``owner.parametrizations`` (torch registers it as a ``ModuleDict``)."""
+    return cast(torch.nn.ModuleDict, owner.parametrizations)
 
 
 def _check_dtypes(targets: list[tuple[torch.nn.Module, str]]) -> None:
@@ -253,7 +262,7 @@ def _check_dtypes(targets: list[tuple[torch.nn.Module, str]]) -> None:
 
 def _remove_rounding(owner: torch.nn.Module, name: str, rounding: torch.nn.Module) -> None:
     """Removes ``rounding`` from ``owner``'s parametrizations of ``name``, keeping any other."""
-    chain = owner.parametrizations[name]
+    chain = cast(torch.nn.ModuleList, _parametrizations(owner)[name])
     if len(chain) == 1:
         parametrize.remove_parametrizations(owner, name, leave_parametrized=False)
         return

@@ -51,6 +51,7 @@ import torch
 
 import amp_core
 from torch_facade.amp import _gradients
+from torch_facade.amp._host_side import host_side
 
 
 class GradScaler(Protocol):
@@ -108,6 +109,7 @@ def _check_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     )
 
 
+@host_side
 def update_if_finite(optimizer: torch.optim.Optimizer | None, tensor: torch.Tensor) -> None:
     """Marks ``tensor`` to be restored if this iteration's step of ``optimizer`` is skipped.
 
@@ -164,6 +166,7 @@ def settle(scaler: GradScaler) -> None:
                 tensor.copy_(torch.where(keep, tensor, saved))
 
 
+@host_side
 def isfinite(optimizer: torch.optim.Optimizer | None) -> torch.Tensor | bool:
     """Whether the step of ``optimizer`` was (or is being) applied: the scaler's decision.
 

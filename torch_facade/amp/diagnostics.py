@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import torch
@@ -13,6 +13,7 @@ import torch
 import amp_core
 from torch_facade.amp import _bridge, _caller, _dtensor, _storage
 from torch_facade.amp._decision import Decision
+from torch_facade.amp._host_side import host_side
 
 
 class LossScaleStalledError(RuntimeError):
@@ -125,6 +126,7 @@ class _Readable(Protocol):
     def get_isfinite(self) -> torch.Tensor: ...
 
 
+@host_side
 def scaler_metrics(scaler: _Readable, *, as_tensors: bool = False) -> dict[str, Any]:
     """The scaler's numbers for a logger, under the names the Cerebras modelzoo logs.
 
@@ -183,7 +185,7 @@ class StallWatch:
             self.warned = False
             return
         count = int(values[_STALL])
-        if count < self.config.stall_steps:
+        if count < cast(int, self.config.stall_steps):  # resolved: never None
             self.warned = self.warned and count > 0
             return
         message = (

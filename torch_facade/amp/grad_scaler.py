@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 import amp_core
@@ -33,6 +32,7 @@ from torch_facade.amp import (
 from torch_facade.amp._amp_state import get_half_dtype_str
 from torch_facade.amp._decision import Decider, Decision, params_of
 from torch_facade.amp._fused import FusedSteps
+from torch_facade.amp._host_side import host_side
 from torch_facade.amp.diagnostics import LossScaleStalledError, StallWatch, overflow_report
 
 __all__ = ["GradScaler", "LossScaleStalledError"]
@@ -69,7 +69,7 @@ def _truthy(value: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _with_clip_norm(config: amp_core.LossScaleConfig, norm: float) -> amp_core.LossScaleConfig:
+def _with_clip_norm(config: amp_core.DynamicLossScale, norm: float) -> amp_core.DynamicLossScale:
     """``config`` with DLS + GCC at ``norm``; cached: ``optimizer_step`` asks every iteration."""
     return dataclasses.replace(config, max_gradient_norm=norm)
 
@@ -144,6 +144,7 @@ class GradScaler:
         tensor(32768.)
     """
 
+    @host_side
     def __init__(
         self,
         loss_scale: str | float | None = None,
@@ -196,7 +197,12 @@ class GradScaler:
         # In the first iteration, the parameters the scaled losses reach join the decision.
         self._discovering = True
         self._reached: list[torch.Tensor] = []
-        self._stall = StallWatch(self._config, self._raise_on_stall) if self._dynamic else None
+        config = self._config
+        self._stall = (
+            StallWatch(config, self._raise_on_stall)
+            if isinstance(config, amp_core.DynamicLossScale)
+            else None
+        )
         self._fused = FusedSteps()
         # The participating parameters, the same list while they stay the same (by identity).
         self._participants_cache: list[torch.Tensor] | None = None
@@ -220,14 +226,17 @@ class GradScaler:
         self._scale_t = (
             _bridge.to_torch(state.loss_scale) if scalars is None else scalars.loss_scale
         )
-        # Static scaling by exactly 1 needs no arithmetic at all.
-        self._identity = not self._dynamic and float(self._scale_t) == 1.0
+        # Static scaling: the scale as a Python float (get_scale() returns it; compiled code
+        # reads it without a host read). By exactly 1 it needs no arithmetic at all.
+        self._static_scale = None if self._dynamic else float(self._scale_t)
+        self._identity = self._static_scale == 1.0
 
     @property
     def config(self) -> amp_core.LossScaleConfig:
         """The resolved ``amp_core`` configuration (every default filled in)."""
         return self._config
 
+    @host_side
     def state_dict(self, destination: dict[str, Any] | None = None) -> dict[str, Any]:
         """Returns the real scaler state for a checkpoint (a host synchronisation).
 
@@ -253,6 +262,7 @@ class GradScaler:
             result[key] = torch.tensor(value, dtype=dtype)
         return result
 
+    @host_side
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads the keys present in ``state_dict``; absent keys keep their values.
 
@@ -316,7 +326,7 @@ class GradScaler:
         self._warned_dtype = pickled["warned_dtype"]
         self._start_session()
         # On the host, until the next decision places it (as after construction).
-        self._set_state(amp_core.LossScaleState(*(np.array(x) for x in pickled["state"])))
+        self._set_state(_bridge.host_state(pickled["state"]))
 
     # ------------------------------------- torch.amp.GradScaler internals that trainers call
 
@@ -346,15 +356,17 @@ class GradScaler:
 
     def get_scale(self) -> torch.Tensor | float:
         """The current loss scale: a float32 tensor for DLS, a float for static scaling."""
-        if not self._dynamic:
-            return float(self._scale_t)
+        if self._static_scale is not None:
+            return self._static_scale
         return self._scale_t.clone()
 
+    @host_side
     def get_non_clamped_scale(self) -> torch.Tensor | float:
         """The scale of the last update after the max clamp and before the min clamp."""
         value = _bridge.to_torch(self._state.non_clamped_scale)
         return value.clone() if self._dynamic else float(value)
 
+    @host_side
     def get_num_skipped_steps(self) -> torch.Tensor:
         """Optimizer steps skipped for overflow so far (int64 tensor; 0 for static scaling).
 
@@ -363,6 +375,7 @@ class GradScaler:
         """
         return _bridge.to_torch(self._state.num_skipped_steps).to(torch.int64)
 
+    @host_side
     def get_isfinite(self) -> torch.Tensor:
         """The skip signal: whether this iteration's (or else the last) step was finite.
 
@@ -374,6 +387,7 @@ class GradScaler:
             return self._decision.isfinite()
         return _bridge.to_torch(self._state.isfinite).clone()
 
+    @host_side
     def get_global_norm(self) -> torch.Tensor:
         """The global L2 norm of this iteration's (or else the last) unscaled gradients.
 
@@ -386,8 +400,13 @@ class GradScaler:
 
     # --------------------------------------------------------------- the loop
 
+    @host_side
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Scales the loss before the backward pass: ``loss.float() * scale``.
+
+        It also starts the iteration (checks, restores what ``update_if_finite`` marked, and in
+        the first iteration finds the parameters the loss reaches), so in ``torch.compile``'d
+        code it runs eagerly, behind a graph break just before the one ``.backward()`` makes.
 
         Raises:
             TypeError: ``loss`` is not a tensor.
@@ -415,6 +434,7 @@ class GradScaler:
             scale = _gradients.on_device(scale, loss.device)  # a CPU 0-d tensor needs no copy
         return loss.float() * scale
 
+    @host_side
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscales the gradients of ``optimizer``'s parameters in place.
 
@@ -441,6 +461,7 @@ class GradScaler:
         self._decide().unscale_(optimizer)
         self._stages[optimizer] = _Stage.UNSCALED
 
+    @host_side
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscales (if needed), checks for overflow once per iteration, and steps if finite.
 
@@ -462,6 +483,7 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
         return self.step_if_finite(optimizer, *args, **kwargs)
 
+    @host_side
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Calls ``optimizer.step(*args, **kwargs)`` only if this iteration's gradients are finite.
 
@@ -480,6 +502,7 @@ class GradScaler:
         self._stages[optimizer] = _Stage.STEPPED
         return result
 
+    @host_side
     def clip_gradients_and_return_isfinite(
         self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]
     ) -> torch.Tensor:
@@ -499,6 +522,7 @@ class GradScaler:
                 self._stages[optimizer] = _Stage.UNSCALED
         return decision.isfinite()
 
+    @host_side
     def update_scale(self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
         """Applies the dynamic-loss-scaling update (SPEC section 2) for this iteration, once."""
         for optimizer in _optimizer_list(optimizers, "optimizers"):
@@ -518,6 +542,7 @@ class GradScaler:
             self._set_state(state, placed_for=decision.device)
         decision.scale_updated = True
 
+    @host_side
     def update(self, new_scale: Any = None) -> None:
         """Updates the scale once all optimizers have been stepped, and starts a new iteration.
 
@@ -553,6 +578,7 @@ class GradScaler:
 
     # ------------------------------------------------------------ diagnostics
 
+    @host_side
     def nonfinite_gradients(self, module: torch.nn.Module | None = None) -> Any:
         """Which gradients held inf or NaN at this iteration's (or the last) decision.
 
@@ -668,8 +694,10 @@ class GradScaler:
         if self._decision is not None:
             return self._decision
         params = self._participants()
-        if self._dynamic:
-            config = self._config if clip_norm is None else _with_clip_norm(self._config, clip_norm)
+        config = self._config
+        if isinstance(config, amp_core.DynamicLossScale):
+            if clip_norm is not None:
+                config = _with_clip_norm(config, clip_norm)
             decision = self._decider.dynamic(
                 config, self._state, params, self._optimizers, self._placed_for
             )

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+import amp_core
+from torch_facade.amp._host_side import host_side
 from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list, _params
 
 
@@ -20,6 +22,7 @@ def _clip_value(value: Any, argument: str) -> float | None:
     return float(value)
 
 
+@host_side
 def optimizer_step(
     loss: torch.Tensor,
     optimizer: torch.optim.Optimizer
@@ -90,7 +93,7 @@ def optimizer_step(
     fused_clip = (
         norm is not None
         and norm > 0
-        and grad_scaler.config.is_dynamic
+        and isinstance(grad_scaler.config, amp_core.DynamicLossScale)
         and not grad_scaler.config.clips
         and set(map(id, grad_scaler._optimizers)) == set(map(id, optimizers))
     )
