@@ -14,12 +14,10 @@ The bare variant runs ``zero_grad``, ``loss.backward()`` and ``optimizer.step()`
 a scaler's overhead is its iteration time minus the bare one of the same round.
 
 The floor variant (:data:`FLOOR`, single process only) is the least any design that reads the
-gradients with XLA must add to the bare loop: hand every gradient to XLA zero-copy as the facade
-does (``_bridge.core_inputs``: NumPy views on the CPU, DLPack imports elsewhere), one jitted sum
-of squares over them (no decision, no state, no Python bookkeeping), then what torch must still
-do to the gradients: a non-fused optimizer's gradients multiplied in place (the facade's
-multiply, ``_gradients.multiply_``), a fused one handed ``grad_scale`` and ``found_inf``
-tensors. The
+gradients with XLA must add to the bare loop: import every gradient through DLPack as the facade
+does, one jitted sum of squares over them (no decision, no state, no Python bookkeeping), then
+what torch must still do to the gradients: a non-fused optimizer's gradients multiplied in place
+(``torch._foreach_mul_``), a fused one handed ``grad_scale`` and ``found_inf`` tensors. The
 facade's overhead minus the floor's is what its own decision logic costs. Each variant trains
 its own copy of one model; the loss scale is about 1 and the learning rate tiny, so every variant
 sees the same gradients on every iteration and no step overflows (checked after timing).
@@ -37,7 +35,6 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +45,7 @@ import torch_facade as cstorch
 from benchmarks.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 from benchmarks.torch_bench import LOSS_SCALE, NEVER, OPTIMIZERS, VARIANTS
-from torch_facade.amp import _bridge, _gradients
+from torch_facade.amp import _bridge
 
 FLOOR = "xla floor"
 """The floor variant's name (see the module docstring)."""
@@ -228,7 +225,7 @@ class TrainLoop:
     def _floor(self) -> None:
         self.loss().backward()
         grads = [p.grad for p in self.params if p.grad is not None]
-        _sum_of_squares(_bridge.core_inputs(grads)).block_until_ready()
+        _sum_of_squares(_bridge.import_tensors(grads)).block_until_ready()
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
             self.optimizer.grad_scale = self._one  # type: ignore[attr-defined]
             self.optimizer.found_inf = self._zero  # type: ignore[attr-defined]
@@ -238,7 +235,8 @@ class TrainLoop:
                 del self.optimizer.grad_scale  # type: ignore[attr-defined]
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
         else:
-            _gradients.multiply_(grads, self._one)
+            with torch.no_grad():
+                torch._foreach_mul_(grads, self._one)
             self.optimizer.step()
 
     def skipped_steps(self) -> int:
@@ -266,7 +264,7 @@ def _synchronized(iteration: Callable[[], None], device: torch.device) -> Callab
 
 
 @jax.jit
-def _sum_of_squares(grads: tuple[Any, ...]) -> jax.Array:
+def _sum_of_squares(grads: tuple[jax.Array, ...]) -> jax.Array:
     """The floor's read: one float32 sum of squares over every gradient."""
     return sum((jnp.sum(jnp.square(g)) for g in grads), jnp.zeros((), jnp.float32))
 

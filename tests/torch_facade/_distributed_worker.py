@@ -203,37 +203,38 @@ class Spies:
     """Records what the scaler imports into JAX and what it gathers across ranks."""
 
     def __init__(self) -> None:
-        # (torch pointer, numel, pointer of what the core reads: a NumPy view or a JAX array)
-        self.imports: list[tuple[int, int, int]] = []
+        self.imports: list[tuple[int, int, int]] = []  # (torch pointer, numel, JAX pointer)
         self.gathers: list[tuple[int, ...]] = []  # the shape of each gathered partials tensor
         self.buckets: list[tuple[int, int]] = []  # DDP bucket buffers (pointer, numel)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Wraps ``_bridge.core_inputs`` and ``Collective.gather`` while active."""
-        from torch_facade.amp import _bridge, _crossing, _distributed, _storage
+        """Wraps ``_bridge.import_tensors`` and ``Collective.gather`` while active."""
+        from torch_facade.amp import _bridge, _distributed, _storage
 
-        core_inputs, gather = _bridge.core_inputs, _distributed.Collective.gather
+        import_tensors, gather = _bridge.import_tensors, _distributed.Collective.gather
         # These spies pin where torch keeps each gradient; the small ones' packed copy
         # (_storage.SMALL_GRADIENT) would hide that, so it is off while they watch.
         small_gradient, _storage.SMALL_GRADIENT = _storage.SMALL_GRADIENT, 0
 
         def spy_import(tensors: Any) -> Any:
-            arrays = core_inputs(tensors)
+            arrays = import_tensors(tensors)
             for tensor, array in zip(tensors, arrays, strict=True):
-                self.imports.append((tensor.data_ptr(), tensor.numel(), _crossing.address(array)))
+                self.imports.append(
+                    (tensor.data_ptr(), tensor.numel(), array.unsafe_buffer_pointer())
+                )
             return arrays
 
         def spy_gather(collective: Any, partials: torch.Tensor) -> torch.Tensor:
             self.gathers.append(tuple(partials.shape))
             return gather(collective, partials)
 
-        _bridge.core_inputs = spy_import
+        _bridge.import_tensors = spy_import
         _distributed.Collective.gather = spy_gather  # type: ignore[method-assign]
         try:
             yield
         finally:
-            _bridge.core_inputs = core_inputs
+            _bridge.import_tensors = import_tensors
             _distributed.Collective.gather = gather  # type: ignore[method-assign]
             _storage.SMALL_GRADIENT = small_gradient
 

@@ -424,7 +424,7 @@ def test_gradients_turned_into_views_of_one_buffer_are_read_correctly(monkeypatc
     scaler.unscale_(optimizer)
     assert float(scaler.get_global_norm()) == pytest.approx(expected, rel=1e-6)
     (arrays,) = imported
-    assert [a.pointer for a in arrays] == [flat.data_ptr()]
+    assert [a.unsafe_buffer_pointer() for a in arrays] == [flat.data_ptr()]
     scaler.step(optimizer)
     scaler.update()
     assert (
@@ -448,7 +448,7 @@ def test_a_changed_small_gradient_threshold_is_seen(monkeypatch):
     scaler.step(optimizer)
     scaler.update()
     (arrays,) = imported
-    assert sorted(a.pointer for a in arrays) == pointers
+    assert sorted(a.unsafe_buffer_pointer() for a in arrays) == pointers
 
 
 def test_a_parameter_swapped_out_is_no_longer_covered_by_the_decision():

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
-import numpy as np
 import pytest
 import torch
 from facade_helpers import (
@@ -20,7 +17,7 @@ from facade_helpers import (
 )
 
 import torch_facade as cstorch
-from torch_facade.amp import _bridge, _crossing, _crossing_cpu, _storage
+from torch_facade.amp import _bridge, _crossing_cpu, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -100,25 +97,17 @@ def test_a_new_gradient_structure_compiles_once_more():
     assert _bridge.local_core(scaler.config)._cache_size() == 2
 
 
-class Read(NamedTuple):
-    """One array a core call was handed: where its data is, and how many elements."""
-
-    pointer: int
-    size: int
-
-
-def record_imports(monkeypatch) -> list[list[Read]]:
-    """What every core call is handed to read from now on (``_bridge.core_inputs``: NumPy views
-    on the CPU, JAX arrays elsewhere and for dtypes NumPy lacks), one list per call."""
-    imported: list[list[Read]] = []
-    original = _bridge.core_inputs
+def record_imports(monkeypatch) -> list[list[jax.Array]]:
+    """The arrays of every ``_bridge.import_tensors`` call from now on, one list per call."""
+    imported: list[list[jax.Array]] = []
+    original = _bridge.import_tensors
 
     def recording(tensors):
         arrays = original(tensors)
-        imported.append([Read(_crossing.address(a), int(a.size)) for a in arrays])
+        imported.append(list(arrays))
         return arrays
 
-    monkeypatch.setattr(_bridge, "core_inputs", recording)
+    monkeypatch.setattr(_bridge, "import_tensors", recording)
     return imported
 
 
@@ -147,7 +136,7 @@ def test_jax_reads_the_gradients_where_torch_keeps_them(set_to_none, monkeypatch
             scaler.step(optimizer)
         scaler.update()
         (arrays,) = imported
-        pointers = sorted(a.pointer for a in arrays)
+        pointers = sorted(a.unsafe_buffer_pointer() for a in arrays)
         expected = sorted(p.grad.data_ptr() for p in params if p.grad is not None)
         assert pointers == expected
         for param, grad, before in zip(params, held, scaled, strict=True):
@@ -180,7 +169,7 @@ def run_with_a_big_layer(monkeypatch, small_gradient: int):
         scaler.unscale_(optimizers[0])
         (arrays,) = imported
         sizes = sorted(a.size for a in arrays)
-        in_place = sorted(pointers.get(a.pointer, 0) for a in arrays)
+        in_place = sorted(pointers.get(a.unsafe_buffer_pointer(), 0) for a in arrays)
         flag, norm = bool(scaler.get_isfinite()), float(scaler.get_global_norm())
         for optimizer in optimizers:
             scaler.step(optimizer)
@@ -215,7 +204,7 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
     model, half, optimizers, scaler = mixed_setup({"loss_scale": "dynamic", "init_scale": 2.0**8})
     for step in range(3):  # warm-up: builds the arena, compiles, creates Adam's state
         mixed_step(model, half, optimizers, scaler, step)
-    crossings = {"to_jax": 0, "to_torch": 0, "core_inputs": 0, "packed_scalars": 0}
+    crossings = {"to_jax": 0, "to_torch": 0, "import_tensors": 0, "packed_scalars": 0}
     for name in crossings:
         original = getattr(_bridge, name)
 
@@ -236,7 +225,7 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
     assert crossings == {
         "to_jax": 0,
         "to_torch": 0,
-        "core_inputs": steps,
+        "import_tensors": steps,
         "packed_scalars": steps,
     }
 
@@ -276,9 +265,6 @@ def test_crossings_fall_back_to_the_public_api(monkeypatch):
         patched.setattr(jaxlib_ext, "buffer_to_dlpack_managed_tensor", broken)
         assert _crossing_cpu.importer_or_none() is None
         assert _crossing_cpu.exporter_or_none() is None
-        numpy_only = _crossing_cpu.crossing()  # NumPy arguments still pass their check
-        assert numpy_only is not None and numpy_only.core_arguments is not None
-        patched.setattr(_crossing_cpu, "numpy_arguments_alias", lambda: False)
         assert _crossing_cpu.crossing() is None
         _bridge._chosen_crossing.cache_clear()
         try:
@@ -292,27 +278,6 @@ def test_crossings_fall_back_to_the_public_api(monkeypatch):
     assert array.unsafe_buffer_pointer() == tensor.data_ptr()
     assert torch.equal(_bridge.to_torch(array + 1), tensor + 1)
     assert _bridge.crossing_for(cpu) is chosen
-
-
-def test_cpu_core_arguments_are_views_jax_takes_without_a_copy():
-    """What a core call is handed on the CPU: NumPy views of float16 and float32 tensors, which
-    JAX takes without a copy (``device_put`` gives an array over the tensor's memory, by the path
-    jit arguments take too), and imports for bfloat16 (NumPy lacks it) and float64 (JAX would
-    convert a NumPy float64 array to float32); a jitted call reads the right values from each."""
-    tensors = [
-        torch.arange(12, dtype=torch.float32).reshape(3, 4),
-        torch.arange(5, dtype=torch.float16),
-        torch.arange(6, dtype=torch.bfloat16),
-        torch.arange(3, dtype=torch.float64),
-    ]
-    arrays = _bridge.core_inputs(tensors)
-    assert [isinstance(a, np.ndarray) for a in arrays] == [True, True, False, False]
-    assert [_crossing.address(a) for a in arrays] == [t.data_ptr() for t in tensors]
-    for tensor, array in zip(tensors, arrays, strict=True):
-        if isinstance(array, np.ndarray):
-            assert jax.device_put(array).unsafe_buffer_pointer() == tensor.data_ptr()
-    sums = jax.jit(lambda xs: [jax.numpy.sum(x.astype(jax.numpy.float32)) for x in xs])(arrays)
-    assert [float(s) for s in sums] == [float(t.float().sum()) for t in tensors]
 
 
 def test_the_cpu_crossing_is_the_private_one_here():

@@ -54,20 +54,6 @@ def import_tensors(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:
     return crossing_for(tensors[0].device).import_many(tensors)
 
 
-def core_inputs(tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-    """What a jitted core is handed to read ``tensors`` (all on one device), zero-copy.
-
-    The crossing's ``core_arguments`` where it has them (on the CPU, NumPy views), else
-    :func:`import_tensors`. Only for a core call: the results need not be ``jax.Array``.
-    """
-    if not tensors:
-        return ()
-    crossing = crossing_for(tensors[0].device)
-    if crossing.core_arguments is None:
-        return import_tensors(tensors)
-    return crossing.core_arguments(tensors)
-
-
 def to_torch(array: Any) -> torch.Tensor:
     """Zero-copy export of a JAX array (or a view of a NumPy array: a state not yet placed).
 

@@ -7,11 +7,6 @@ A :class:`Crossing` answers the two questions every decision asks:
 * ``export(array)``: a torch tensor over the same memory as a JAX result, ordered after the
   JAX computation that produces it.
 
-A variant may also give ``core_arguments(tensors)``: what a jitted core is handed to read
-``tensors``, over the same memory, more cheaply than JAX arrays (on the CPU, NumPy views:
-``jax.jit`` takes an aligned NumPy array without a copy and without the per-array Python work
-of an import); :func:`torch_facade.amp._bridge.core_inputs` uses it where it exists.
-
 Variants, each in a module of its own:
 
 * :mod:`~torch_facade.amp._crossing_cpu`: jaxlib's lower-level DLPack calls (about 7 us a
@@ -35,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import torch
 
 
@@ -50,15 +44,12 @@ class Crossing:
         host_is_device: results are complete when exported (the CPU): reading them on the host
             costs nothing, and the jitted core may branch. ``False`` on accelerators, where an
             exported result is still being computed and a host read waits for the device.
-        core_arguments: ``tensors -> tuple`` of arrays a jitted call reads over the same memory
-            (NumPy views or JAX arrays), for a core call only; ``None``: ``import_many``.
     """
 
     name: str
     import_many: Callable[[Sequence[torch.Tensor]], tuple[jax.Array, ...]]
     export: Callable[[jax.Array], torch.Tensor]
     host_is_device: bool
-    core_arguments: Callable[[Sequence[torch.Tensor]], tuple[Any, ...]] | None = None
 
 
 def views_its_input(crossing: Callable[[Any], Any], probe: Any, result_type: type[Any]) -> bool:
@@ -78,9 +69,7 @@ def views_its_input(crossing: Callable[[Any], Any], probe: Any, result_type: typ
 
 
 def address(value: Any) -> int:
-    """The data pointer of a torch tensor, a NumPy array or a JAX array."""
+    """The data pointer of a torch tensor or a JAX array."""
     if isinstance(value, torch.Tensor):
         return value.data_ptr()
-    if isinstance(value, np.ndarray):
-        return int(value.ctypes.data)
-    return int(value.unsafe_buffer_pointer())
+    return value.unsafe_buffer_pointer()

@@ -252,12 +252,12 @@ class Decider:
             count = self._counts[(device, steps)] = _bridge.counter_on(device, steps)
         collective = _distributed.collective(self.process_group)
         if collective is None:
-            arrays = _bridge.core_inputs(grads.sharded + grads.replicated)
+            arrays = _bridge.import_tensors(grads.sharded + grads.replicated)
             out = _bridge.local_core(config, branch_free)(state, arrays, count)
             keep: tuple[Any, ...] = ()
         else:
-            sharded = _bridge.core_inputs(grads.sharded)
-            replicated = _bridge.core_inputs(grads.replicated)
+            sharded = _bridge.import_tensors(grads.sharded)
+            replicated = _bridge.import_tensors(grads.replicated)
             partials = _bridge.to_torch(
                 _bridge.partials_core(branch_free)(state, sharded, replicated)
             )
