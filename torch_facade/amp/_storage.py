@@ -73,7 +73,7 @@ def _packed(group: list[torch.Tensor]) -> torch.Tensor:
     return concatenated(group, all(t.dim() == 1 for t in group))
 
 
-def concatenated(group: Sequence[torch.Tensor], one_dim: bool) -> torch.Tensor:
+def concatenated(group: list[torch.Tensor], one_dim: bool) -> torch.Tensor:
     """A flat copy of the values of every tensor of ``group`` (one dtype, one device), in order.
 
     ``one_dim``: all are 1-D, so ``torch.cat`` takes them as they are (about 0.1 us a tensor on
