@@ -1,12 +1,14 @@
 # Two entry points for a fresh machine with only Python 3.11 and pip:
 #   make demo   - the main job: a mixed-precision training run with an overflow episode
-#   make test   - ruff (check + format), mypy and the whole test suite, notebooks included
+#   make test   - ruff (check + format), mypy and the whole test suite, notebooks included (the
+#                 suite builds the documentation site strictly, once: tests/test_docs_site.py)
+#   make docs   - the documentation site, into site/ (mkdocs build --strict: a warning fails it)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck format dist bench bench-large device-check clean
+.PHONY: demo test docs lint typecheck format dist bench bench-large device-check clean
 
 # The library with its torch extra and the dev tools; torch is pinned (constraints.txt) to the
 # CPU wheel cached on the project's machines.
@@ -18,6 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(PY) -m demo
+
+# Offline: no fonts, inventories or plugins that fetch anything (mkdocs.yml).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -53,4 +59,4 @@ device-check: $(STAMP)
 		$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build dist *.egg-info site

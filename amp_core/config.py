@@ -147,7 +147,15 @@ _MAX_COUNTER = int(np.iinfo(np.int32).max)
 """Step counters are int32 in the state: ``steps_per_increase`` must fit."""
 
 LossScaleConfig = StaticLossScale | DynamicLossScale
-"""Either kind of loss-scaling configuration."""
+"""Either kind of loss-scaling configuration.
+
+Example:
+    >>> import amp_core
+    >>> isinstance(amp_core.make_config("dynamic"), amp_core.LossScaleConfig)
+    True
+    >>> amp_core.make_config(128.0)
+    StaticLossScale(loss_scale=128.0)
+"""
 
 
 def make_config(

@@ -25,6 +25,12 @@ class LeafReport(NamedTuple):
         overflows: whether this leaf alone makes the global norm non-finite (0-d bool): it holds
             an inf or NaN once unscaled, or values so large that their squares overflow float32.
         nonfinite_count: how many of its elements are inf or NaN once unscaled (0-d int32).
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> report = amp_core.nonfinite_report({"w": jnp.array([1.0, jnp.nan, 3e38])}, 0.5)
+        >>> report["w"]._fields, bool(report["w"].overflows), int(report["w"].nonfinite_count)
+        (('overflows', 'nonfinite_count'), True, 1)
     """
 
     overflows: jax.Array

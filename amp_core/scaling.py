@@ -16,7 +16,16 @@ from amp_core.config import DynamicLossScale, LossScaleConfig
 from amp_core.state import COUNTER_DTYPE, LossScaleState
 
 CLIP_EPSILON = 1e-6
-"""Added to the global norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does."""
+"""Added to the global norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
+
+Example:
+    >>> import amp_core, numpy as np
+    >>> amp_core.CLIP_EPSILON
+    1e-06
+    >>> coefficient = amp_core.clip_coefficient(np.float32(4.0), 2.0)  # the norm 4, clipped to 2
+    >>> bool(coefficient == np.float32(2.0) / np.float32(4.0 + amp_core.CLIP_EPSILON))
+    True
+"""
 
 
 class GradCheck(NamedTuple):
@@ -29,6 +38,13 @@ class GradCheck(NamedTuple):
         isfinite: whether the step may be applied (bool, 0-d; always ``True`` for static
             scaling, which never checks).
         global_norm: the global L2 norm of the unscaled, unclipped gradients (float32, 0-d).
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> config = amp_core.DynamicLossScale(init_scale=4.0)
+        >>> check = amp_core.check_grads(config, amp_core.init(config), [jnp.array([12.0, 16.0])])
+        >>> float(check.multiplier), bool(check.isfinite), float(check.global_norm)
+        (0.25, True, 5.0)
     """
 
     multiplier: jax.Array
@@ -439,6 +455,14 @@ class StepResult(NamedTuple):
         isfinite: whether the step may be applied.
         global_norm: the global norm of the unscaled gradients.
         next_state: the state after this step's update.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> config = amp_core.DynamicLossScale(init_scale=4.0)
+        >>> grads = [jnp.array([jnp.inf])]
+        >>> result = amp_core.check_and_update(config, amp_core.init(config), grads)
+        >>> bool(result.isfinite), float(result.multiplier), float(result.next_state.loss_scale)
+        (False, 0.25, 2.0)
     """
 
     multiplier: jax.Array

@@ -32,6 +32,14 @@ class LossScaleState(NamedTuple):
         overflows_at_min_scale: consecutive overflowed steps taken at ``min_loss_scale``
             (int32, 0-d; a finite step resets it). A run whose count keeps growing cannot
             progress: see :func:`amp_core.is_stalled`.
+
+    Example:
+        >>> import amp_core
+        >>> state = amp_core.init(amp_core.DynamicLossScale())
+        >>> state.loss_scale.dtype, state.num_skipped_steps.dtype, bool(state.isfinite)
+        (dtype('float32'), dtype('int32'), True)
+        >>> float(state._replace(loss_scale=state.loss_scale / 2).loss_scale)  # a pytree of arrays
+        16384.0
     """
 
     loss_scale: jax.Array
@@ -108,6 +116,13 @@ def state_dict_keys(config: LossScaleConfig) -> tuple[str, ...]:
 
     Dynamic scaling adds ``overflows_at_min_scale`` to the reference's four keys, so that a
     resumed run keeps counting a stall; checkpoints without it still load.
+
+    Example:
+        >>> import amp_core
+        >>> amp_core.state_dict_keys(amp_core.StaticLossScale(8.0))
+        ('loss_scale',)
+        >>> amp_core.state_dict_keys(amp_core.DynamicLossScale())[-1]
+        'overflows_at_min_scale'
     """
     return _DYNAMIC_KEYS if config.is_dynamic else _STATIC_KEYS
 

@@ -25,6 +25,15 @@ class LossScaledState(NamedTuple):
             that no name is taken twice: ``optax.tree_utils.tree_get(opt_state,
             "loss_scale")`` finds the current scale.
         inner_state: the wrapped transformation's state.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp, optax
+        >>> tx = amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.DynamicLossScale())
+        >>> opt_state = tx.init({"w": jnp.zeros(2)})
+        >>> type(opt_state).__name__, opt_state._fields
+        ('LossScaledState', ('scaler', 'inner_state'))
+        >>> float(optax.tree_utils.tree_get(opt_state, "loss_scale"))
+        32768.0
     """
 
     scaler: LossScaleState
@@ -46,7 +55,7 @@ def with_loss_scaling(
     is selected against the old one where it is defined, before the rest of the update reads
     it. Under ``jax.jit`` with the parameters and optimizer state donated, XLA then fuses
     unscaling, the optimizer and ``optax.apply_updates`` into in-place passes, as for the plain
-    optimizer (see the README's Performance section).
+    optimizer (see the docs' Performance page, docs/performance.md).
 
     Args:
         inner: any gradient transformation, e.g. ``optax.adamw(1e-3)``.
@@ -265,8 +274,8 @@ def apply_scaled_gradients(
     them into the optimizer's own passes, and a skipped step returns the parameters and inner
     state it was given (bit-identical by construction) without doing the optimizer's arithmetic
     at all. Under ``jax.jit`` with the parameters and state donated a step costs about what the
-    wrapper's does, a little more than the plain optimizer's (see the README's Performance
-    section); the wrapper computes the inner update on skipped steps too and discards it.
+    wrapper's does, a little more than the plain optimizer's (see docs/performance.md); the
+    wrapper computes the inner update on skipped steps too and discards it.
 
     Args:
         inner: the optimizer, e.g. ``optax.adamw(1e-3)`` (the same one given to

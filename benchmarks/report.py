@@ -66,7 +66,7 @@ BUSY_CORES = 0.25
 
 
 def _thread_note(meta: dict[str, Any]) -> str:
-    """The thread-pool settings of the run: they move the facade/torch ratios (README)."""
+    """The thread-pool settings of the run: they move the facade/torch ratios (docs/performance.md)."""
     env = meta.get("env") or {}
     if not env:
         return "Thread settings: none in the environment (OpenMP and XLA defaults)."

@@ -436,29 +436,79 @@ def _check_int(argument: str, value: Any, low: int, high: int, reason: str) -> N
 # Named formats.
 
 FLOAT16 = FloatFormat("float16", exponent_bits=5, mantissa_bits=10)
-"""IEEE-754 binary16 (numpy/JAX ``float16``)."""
+"""IEEE-754 binary16 (numpy/JAX ``float16``).
+
+Example:
+    >>> import hardware, numpy as np
+    >>> hardware.FLOAT16.max, hardware.FLOAT16.eps
+    (65504.0, 0.0009765625)
+    >>> x = np.array([1 + 2**-11, 65519.0, 3e-8], np.float32)
+    >>> bool((np.asarray(hardware.FLOAT16.round(x)) == x.astype(np.float16)).all())
+    True
+"""
 
 BFLOAT16 = FloatFormat("bfloat16", exponent_bits=8, mantissa_bits=7)
-"""bfloat16 with subnormals, bit-identical to ``ml_dtypes.bfloat16``."""
+"""bfloat16 with subnormals, bit-identical to ``ml_dtypes.bfloat16``.
+
+Example:
+    >>> import hardware, ml_dtypes, numpy as np
+    >>> x = np.array([1 + 2**-8, 3.0e38, 1e-40], np.float32)
+    >>> rounded = np.asarray(hardware.BFLOAT16.round(x))
+    >>> bool((rounded == x.astype(ml_dtypes.bfloat16).astype(np.float32)).all())
+    True
+"""
 
 CBFLOAT16 = FloatFormat("cbfloat16", exponent_bits=6, mantissa_bits=9, bias=31)
 """Cerebras cbfloat16 (1-6-9), in ml_dtypes naming ``float16_e6m9``.
 
 Only the bit split is public. The project assumes (SPEC section 7): bias 31, top exponent
 reserved for inf/NaN, gradual underflow, round-to-nearest-even, overflow to inf.
+
+Example:
+    >>> import hardware
+    >>> cb16 = hardware.CBFLOAT16
+    >>> cb16.max == (2 - 2**-9) * 2**31, cb16.smallest_subnormal == 2**-39
+    (True, True)
+    >>> hardware.CBFLOAT16.round([65504.0, 5e9]).tolist()  # 65504 rounds up; beyond max: inf
+    [65536.0, inf]
 """
 
 FLOAT8_E5M2 = FloatFormat("float8_e5m2", exponent_bits=5, mantissa_bits=2)
-"""IEEE-like float8, bit-identical to ``ml_dtypes.float8_e5m2``."""
+"""IEEE-like float8, bit-identical to ``ml_dtypes.float8_e5m2``.
+
+Example:
+    >>> import hardware
+    >>> hardware.FLOAT8_E5M2.max, hardware.FLOAT8_E5M2.round([1.1, 60000.0, 1e6]).tolist()
+    (57344.0, [1.0, 57344.0, inf])
+"""
 
 FLOAT8_E4M3 = FloatFormat("float8_e4m3", exponent_bits=4, mantissa_bits=3)
-"""IEEE-like float8, bit-identical to ``ml_dtypes.float8_e4m3``."""
+"""IEEE-like float8, bit-identical to ``ml_dtypes.float8_e4m3``.
+
+Example:
+    >>> import hardware
+    >>> hardware.FLOAT8_E4M3.max, hardware.FLOAT8_E4M3.round([1.1, 235.0, 250.0]).tolist()
+    (240.0, [1.125, 240.0, inf])
+"""
 
 FLOAT8_E4M3FN = FloatFormat("float8_e4m3fn", exponent_bits=4, mantissa_bits=3, has_inf=False)
-"""OCP E4M3 (no infinities, max 448), bit-identical to ``ml_dtypes.float8_e4m3fn``."""
+"""OCP E4M3 (no infinities, max 448), bit-identical to ``ml_dtypes.float8_e4m3fn``.
+
+Example:
+    >>> import hardware, math
+    >>> values = hardware.FLOAT8_E4M3FN.round([448.0, 1e4]).tolist()  # no inf: overflow is NaN
+    >>> hardware.FLOAT8_E4M3FN.max, values[0], math.isnan(values[1])
+    (448.0, 448.0, True)
+"""
 
 FLOAT8_E3M4 = FloatFormat("float8_e3m4", exponent_bits=3, mantissa_bits=4)
-"""IEEE-like float8, bit-identical to ``ml_dtypes.float8_e3m4``."""
+"""IEEE-like float8, bit-identical to ``ml_dtypes.float8_e3m4``.
+
+Example:
+    >>> import hardware
+    >>> hardware.FLOAT8_E3M4.max, hardware.FLOAT8_E3M4.eps
+    (15.5, 0.0625)
+"""
 
 _FORMATS: dict[str, FloatFormat] = {
     fmt.name: fmt

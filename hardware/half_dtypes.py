@@ -10,13 +10,31 @@ import dataclasses
 from typing import Any
 
 HALF_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "cbfloat16")
-"""Canonical names of the supported half dtypes, in the order error messages list them."""
+"""Canonical names of the supported half dtypes, in the order error messages list them.
+
+Example:
+    >>> import hardware
+    >>> hardware.HALF_DTYPES
+    ('float16', 'bfloat16', 'cbfloat16')
+"""
 
 DEFAULT_HALF_DTYPE = "float16"
+"""The half dtype when none is given (``DynamicLossScale``, the facade's ``set_half_dtype``).
 
+Example:
+    >>> import amp_core, hardware
+    >>> amp_core.DynamicLossScale().half_dtype == hardware.DEFAULT_HALF_DTYPE == "float16"
+    True
+"""
 
 MIN_LOSS_SCALE_FLOOR = 2.0**-14
-"""The smallest ``min_loss_scale`` dynamic loss scaling accepts (SPEC section 1)."""
+"""The smallest ``min_loss_scale`` dynamic loss scaling accepts (SPEC section 1).
+
+Example:
+    >>> import amp_core, hardware
+    >>> hardware.MIN_LOSS_SCALE_FLOOR == 2**-14 == amp_core.DynamicLossScale().min_loss_scale
+    True
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +46,14 @@ class LossScaleDefaults:
         max_loss_scale: upper bound of the loss scale.
         min_loss_scale: lower bound of the loss scale (also the smallest value accepted).
         steps_per_increase: finite-or-not steps after which the scale doubles.
+
+    Example:
+        >>> import hardware
+        >>> defaults = hardware.loss_scale_defaults("cbfloat16")
+        >>> type(defaults).__name__, defaults.init_scale == defaults.max_loss_scale == 2.0**31
+        ('LossScaleDefaults', True)
+        >>> defaults.min_loss_scale == 2**-14, defaults.steps_per_increase
+        (True, 2000)
     """
 
     init_scale: float

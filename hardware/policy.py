@@ -95,15 +95,38 @@ class Policy:
         return cast(PolicyDType, getattr(self, field))
 
     def cast_to_param(self, tree: Any) -> Any:
-        """Casts the floating leaves of ``tree`` to ``param_dtype``."""
+        """Casts the floating leaves of ``tree`` to ``param_dtype``.
+
+        Example:
+            >>> import hardware, jax.numpy as jnp
+            >>> policy = hardware.get_policy("params=float32,compute=float16,output=float32")
+            >>> policy.cast_to_param({"w": jnp.ones(2, jnp.float16)})["w"].dtype
+            dtype('float32')
+        """
         return cast_tree(tree, self._dtype("param_dtype"))
 
     def cast_to_compute(self, tree: Any) -> Any:
-        """Casts the floating leaves of ``tree`` to ``compute_dtype`` (rounding if emulated)."""
+        """Casts the floating leaves of ``tree`` to ``compute_dtype`` (rounding if emulated).
+
+        Example:
+            >>> import hardware, jax.numpy as jnp
+            >>> policy = hardware.get_policy("p=f32,c=cb16,o=f32")
+            >>> x = policy.cast_to_compute(jnp.array([1.0 + 2**-10, 1.0 + 3 * 2**-10]))
+            >>> x.dtype, x.tolist()  # float32 values on the cbfloat16 grid, ties to even
+            (dtype('float32'), [1.0, 1.00390625])
+        """
         return cast_tree(tree, self._dtype("compute_dtype"))
 
     def cast_to_output(self, tree: Any) -> Any:
-        """Casts the floating leaves of ``tree`` to ``output_dtype``."""
+        """Casts the floating leaves of ``tree`` to ``output_dtype``.
+
+        Example:
+            >>> import hardware, jax.numpy as jnp
+            >>> policy = hardware.get_policy("params=float32,compute=bfloat16,output=float32")
+            >>> loss, step = policy.cast_to_output((jnp.array(0.5, jnp.bfloat16), 3))
+            >>> loss.dtype, step  # a Python int passes through
+            (dtype('float32'), 3)
+        """
         return cast_tree(tree, self._dtype("output_dtype"))
 
     def __str__(self) -> str:
@@ -158,7 +181,13 @@ def canonical_dtype(value: Any, *, argument: str = "dtype") -> PolicyDType:
 
 
 def dtype_name(dtype: PolicyDType) -> str:
-    """The canonical name of a policy dtype (``"float32"``, ``"cbfloat16"``, ...)."""
+    """The canonical name of a policy dtype (``"float32"``, ``"cbfloat16"``, ...).
+
+    Example:
+        >>> import hardware, jax.numpy as jnp
+        >>> hardware.dtype_name(jnp.bfloat16), hardware.dtype_name(hardware.canonical_dtype("cb16"))
+        ('bfloat16', 'cbfloat16')
+    """
     return dtype.name if isinstance(dtype, FloatFormat) else jnp.dtype(dtype).name
 
 

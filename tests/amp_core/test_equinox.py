@@ -142,7 +142,7 @@ def test_apply_scaled_gradients_equals_the_wrapper_with_eqx_apply_updates():
         return amp_core.apply_scaled_gradients(inner, CONFIG, grads, opt_state, model)
 
     @eqx.filter_jit
-    def wrapper_step(model, opt_state):  # the README's equinox recipe
+    def wrapper_step(model, opt_state):  # the recipe of docs/jax/equinox.md
         grads = scaled_grads(model, opt_state)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -50,7 +50,7 @@ def bits(tree) -> list[bytes]:
 
 
 def migrated_config(dynamic_scale: DynamicScale) -> amp_core.DynamicLossScale:
-    """The README's mapping of ``DynamicScale``'s arguments (growth 2, backoff 0.5)."""
+    """docs/jax/flax-linen.md's mapping of ``DynamicScale``'s arguments (growth 2, backoff 0.5)."""
     return amp_core.DynamicLossScale(
         init_scale=float(dynamic_scale.scale),
         steps_per_increase=dynamic_scale.growth_interval,

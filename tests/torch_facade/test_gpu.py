@@ -1,7 +1,7 @@
 """The facade on a CUDA GPU (``pytest -m gpu``; skipped without one).
 
-Written before any GPU ran them: each checks one claim of the README's "Sharing a GPU with
-torch" against torch itself (its scaler, its sync-debug mode, its memory counters). On a lent
+Written before any GPU ran them: each checks one claim of "Sharing a GPU with torch" in
+docs/gpus.md against torch itself (its scaler, its sync-debug mode, its memory counters). On a lent
 GPU machine with the packages preinstalled, run ``PYTHONPATH=. python -m pytest -m gpu
 tests/torch_facade/test_gpu.py -p no:cacheprovider`` (the device check,
 ``python -m benchmarks.device_check --device cuda``, covers the same ground with numbers).

@@ -1,6 +1,6 @@
 """What the facade does on a GPU, pinned on the CPU: JAX as a guest, the accelerator path, errors.
 
-No GPU has run these paths (see the README's "Sharing a GPU with torch"); what can be checked
+No GPU has run these paths (see "Sharing a GPU with torch" in docs/gpus.md); what can be checked
 here is checked:
 
 * nothing starts JAX's backends at import or in ``GradScaler()``, nor in anything a training

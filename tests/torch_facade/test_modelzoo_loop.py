@@ -169,7 +169,7 @@ class Run:
         self.precision.on_before_optimizer_step(self.optimizer)
         self.precision.clip_gradients(self.optimizer)
         self.precision.optimizer_step(self.optimizer)
-        if self.precision.scaler.get_isfinite():  # the README's scheduler recipe
+        if self.precision.scaler.get_isfinite():  # the scheduler recipe of docs/pytorch/index.md
             self.scheduler.step()
         self.precision.on_train_batch_end()
 

@@ -14,8 +14,8 @@ guard: torch refuses DLPack for a tensor that is not on the current CUDA device.
 
 Private jaxlib calls, so the whole path is used only after its self-check on this device: a probe
 written by torch behind a queued device sleep must reach JAX with its new values (the ordering),
-over the same memory; JAX's result must reach torch likewise. Not yet run on a GPU (see the
-README's "Sharing a GPU with torch").
+over the same memory; JAX's result must reach torch likewise. Not yet run on a GPU (see
+"Sharing a GPU with torch" in docs/gpus.md).
 """
 
 from __future__ import annotations

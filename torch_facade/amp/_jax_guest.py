@@ -51,7 +51,7 @@ _opened_only: str | None = None  # the one GPU the facade let JAX open, if it re
 _REMEDY = (
     "Set XLA_PYTHON_CLIENT_PREALLOCATE=false in the environment before JAX starts (before the "
     "first JAX call of the process), or let the facade start JAX: it then takes only what it "
-    "needs. See the README section 'Sharing a GPU with torch'."
+    "needs. See the docs page 'GPUs' (docs/gpus.md), section 'Sharing a GPU with torch'."
 )
 
 

@@ -23,6 +23,23 @@ class LossScaleStalledError(RuntimeError):
     Attributes:
         report: the :class:`~torch_facade.amp.OverflowReport` of the last step: which gradients
             held inf or NaN.
+
+    Example:
+        >>> import torch, torch_facade as cstorch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = cstorch.amp.GradScaler(
+        ...     "dynamic", init_scale=1.0, min_loss_scale=1.0, stall_steps=1, raise_on_stall=True
+        ... )
+        >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        >>> model.bias.grad.fill_(float("nan"))
+        tensor([nan])
+        >>> scaler.step(optimizer)
+        >>> try:
+        ...     scaler.update()  # an overflow with the scale already at min_loss_scale
+        ... except cstorch.amp.LossScaleStalledError as err:
+        ...     print(err.report)
+        1 of 2 gradients non-finite: optimizer0.param_groups[0].params[1] (1 element)
     """
 
     def __init__(self, message: str, report: Any) -> None:
@@ -39,6 +56,14 @@ class OverflowReport:
             elements that are inf or NaN once unscaled (0 for finite values so large that their
             squares overflow float32, which also skips a step).
         total: how many gradients were read.
+
+    Example:
+        >>> import torch_facade as cstorch
+        >>> report = cstorch.amp.OverflowReport({"fc.weight": 3, "fc.bias": 1}, total=4)
+        >>> bool(report), report.gradients["fc.weight"]
+        (True, 3)
+        >>> print(report)
+        2 of 4 gradients non-finite: fc.weight (3 elements), fc.bias (1 element)
     """
 
     gradients: dict[str, int]
@@ -163,7 +188,7 @@ class StallWatch:
 
     Reads one number the decision already exported: free where the host is the device or has
     read the decision already, and skipped otherwise (a fused step on an accelerator: no host
-    synchronisation for this; see the README).
+    synchronisation for this; see docs/gpus.md).
 
     Args:
         config: the dynamic configuration (its ``stall_steps`` and ``min_loss_scale``).

@@ -103,8 +103,8 @@ class GradScaler:
     iteration, as torch's scaler does. On the CPU the host is the device, so the decision's
     results are complete when the facade sees them. ``state_dict`` synchronises;
     ``get_isfinite`` and ``get_global_norm`` return tensors. JAX's backends are started (with
-    GPU memory preallocation off) only at the first decision: see the README's "Sharing a GPU
-    with torch".
+    GPU memory preallocation off) only at the first decision: see "Sharing a GPU with torch" in
+    the docs' GPUs page (docs/gpus.md).
 
     A backward pass of a scaled loss after the iteration's decision (alternating losses, as in
     GAN loops) raises a ``RuntimeError`` in ``scale()``: its gradients would not be part of the
@@ -351,18 +351,45 @@ class GradScaler:
         """Whether the scaler does anything: ``False`` only for static scaling by 1.
 
         As ``torch.amp.GradScaler.is_enabled``, which trainers ask.
+
+        Example:
+            >>> import torch_facade as cstorch
+            >>> cstorch.amp.GradScaler(loss_scale="dynamic").is_enabled()
+            True
+            >>> cstorch.amp.GradScaler(loss_scale=1.0).is_enabled()
+            False
         """
         return not self._identity
 
     def get_scale(self) -> torch.Tensor | float:
-        """The current loss scale: a float32 tensor for DLS, a float for static scaling."""
+        """The current loss scale: a float32 tensor for DLS, a float for static scaling.
+
+        Example:
+            >>> import torch_facade as cstorch
+            >>> cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=1024.0).get_scale()
+            tensor(1024.)
+            >>> cstorch.amp.GradScaler(loss_scale=8.0).get_scale()
+            8.0
+        """
         if self._static_scale is not None:
             return self._static_scale
         return self._scale_t.clone()
 
     @host_side
     def get_non_clamped_scale(self) -> torch.Tensor | float:
-        """The scale of the last update after the max clamp and before the min clamp."""
+        """The scale of the last update after the max clamp and before the min clamp.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler("dynamic", init_scale=4.0, min_loss_scale=4.0)
+            >>> scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+            >>> scaler.step(optimizer)  # overflow: skipped, the scale halves to 2 ...
+            >>> scaler.update()
+            >>> scaler.get_scale(), scaler.get_non_clamped_scale()  # ... and is clamped to 4
+            (tensor(4.), tensor(2.))
+        """
         value = _bridge.to_torch(self._state.non_clamped_scale)
         return value.clone() if self._dynamic else float(value)
 
@@ -372,6 +399,17 @@ class GradScaler:
 
         Each skipped ``step(optimizer)`` counts, as in the reference: an iteration that skips
         two optimizers adds 2.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.full((1, 2), float("nan"))).sum()).backward()
+            >>> scaler.step(optimizer)
+            >>> scaler.update()
+            >>> scaler.get_num_skipped_steps()
+            tensor(1)
         """
         return _bridge.to_torch(self._state.num_skipped_steps).to(torch.int64)
 
@@ -382,6 +420,17 @@ class GradScaler:
         Once the iteration's decision is taken (at the first ``unscale_`` or ``step``), this is
         the iteration's flag; after ``update()`` it is the last iteration's. A new bool tensor
         (a copy), without a host synchronisation.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> model.weight.grad[0, 0] = float("inf")  # before the decision: it counts
+            >>> scaler.unscale_(optimizer)  # the decision
+            >>> scaler.get_isfinite()
+            tensor(False)
         """
         if self._decision is not None:
             return self._decision.isfinite()
@@ -393,6 +442,16 @@ class GradScaler:
 
         A new float32 tensor (a copy), without a host synchronisation; 0 before the first DLS
         step and for static scaling, which does not check gradients.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> scaler.unscale_(optimizer)  # the unscaled gradient is [3, 4]
+            >>> scaler.get_global_norm()
+            tensor(5.)
         """
         if self._decision is not None and self._decision.outputs is not None:
             return _bridge.to_torch(self._decision.outputs.global_norm).clone()
@@ -411,6 +470,11 @@ class GradScaler:
         Raises:
             TypeError: ``loss`` is not a tensor.
             RuntimeError: DLS, and this iteration's overflow decision was already taken.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> cstorch.amp.GradScaler(loss_scale="dynamic").scale(torch.tensor(2.0))
+            tensor(65536.)
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor; got {type(loss).__name__}")
@@ -449,6 +513,18 @@ class GradScaler:
             TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
             RuntimeError: called after ``step(optimizer)`` in the same iteration, or without a
                 ``scale(loss).backward()`` since the last ``update()``.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> model.weight.grad  # scaled by 2**15
+            tensor([[ 98304., 131072.]])
+            >>> scaler.unscale_(optimizer)
+            >>> model.weight.grad
+            tensor([[3., 4.]])
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -476,6 +552,18 @@ class GradScaler:
             RuntimeError: ``step`` was already called for ``optimizer`` since the last
                 ``update()``; no ``scale(loss).backward()`` since the last ``update()``; or
                 ``optimizer``'s gradients were not part of this iteration's decision.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> _ = torch.nn.init.ones_(model.weight)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> scaler.step(optimizer)  # unscales to [3, 4], then SGD with lr 0.1
+            >>> scaler.update()
+            >>> model.weight.data
+            tensor([[0.7000, 0.6000]])
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -489,6 +577,19 @@ class GradScaler:
 
         Returns:
             The result of ``optimizer.step``, or ``None`` when skipped.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> before = model.weight.detach().clone()
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+            >>> print(scaler.step_if_finite(optimizer))  # skipped
+            None
+            >>> scaler.update()
+            >>> torch.equal(model.weight, before)
+            True
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
@@ -510,6 +611,17 @@ class GradScaler:
 
         Returns:
             A 0-d bool tensor (no host synchronisation).
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic", max_gradient_norm=1.0)
+            >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+            >>> scaler.clip_gradients_and_return_isfinite(optimizer)
+            tensor(True)
+            >>> model.weight.grad  # the norm 5 clipped to 1 (clip_grad_norm_'s coefficient)
+            tensor([[0.6000, 0.8000]])
         """
         optimizers = _optimizer_list(optimizers, "optimizers")
         for optimizer in optimizers:
@@ -524,7 +636,22 @@ class GradScaler:
 
     @host_side
     def update_scale(self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
-        """Applies the dynamic-loss-scaling update (SPEC section 2) for this iteration, once."""
+        """Applies the dynamic-loss-scaling update (SPEC section 2) for this iteration, once.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+            >>> scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+            >>> scaler.step(optimizer)
+            >>> scaler.update_scale(optimizer)
+            >>> scaler.get_scale()
+            tensor(16384.)
+            >>> scaler.update()  # starts the next iteration; the scale is not updated twice
+            >>> scaler.get_scale()
+            tensor(16384.)
+        """
         for optimizer in _optimizer_list(optimizers, "optimizers"):
             self._register(optimizer)
         if not self._dynamic:
@@ -552,6 +679,19 @@ class GradScaler:
                 (there is no overflow check to update from; torch's scaler raises here too).
             LossScaleStalledError: with ``raise_on_stall=True``, once ``stall_steps``
                 consecutive steps overflowed at ``min_loss_scale``.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = cstorch.amp.GradScaler("dynamic", init_scale=4.0, steps_per_increase=1)
+            >>> for step in range(2):  # the scale doubles after steps_per_increase + 1 steps
+            ...     optimizer.zero_grad()
+            ...     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            ...     scaler.step(optimizer)
+            ...     scaler.update()
+            >>> scaler.get_scale()
+            tensor(8.)
         """
         if new_scale is not None and _truthy(new_scale):
             raise ValueError("GradScaler.update() does not support providing a `new_scale`")
