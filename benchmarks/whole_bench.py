@@ -17,7 +17,8 @@ The floor variant (:data:`FLOOR`, single process only) is the least any design t
 gradients with XLA must add to the bare loop: import every gradient through DLPack as the facade
 does, one jitted sum of squares over them (no decision, no state, no Python bookkeeping), then
 what torch must still do to the gradients: a non-fused optimizer's gradients multiplied in place
-(``torch._foreach_mul_``), a fused one handed ``grad_scale`` and ``found_inf`` tensors. The
+(as the facade does it, ``_gradients.multiply_``), a fused one handed ``grad_scale`` and
+``found_inf`` tensors. The
 facade's overhead minus the floor's is what its own decision logic costs. Each variant trains
 its own copy of one model; the loss scale is about 1 and the learning rate tiny, so every variant
 sees the same gradients on every iteration and no step overflows (checked after timing).
@@ -45,7 +46,7 @@ import torch_facade as cstorch
 from benchmarks.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 from benchmarks.torch_bench import LOSS_SCALE, NEVER, OPTIMIZERS, VARIANTS
-from torch_facade.amp import _bridge
+from torch_facade.amp import _bridge, _gradients
 
 FLOOR = "xla floor"
 """The floor variant's name (see the module docstring)."""
@@ -235,8 +236,7 @@ class TrainLoop:
                 del self.optimizer.grad_scale  # type: ignore[attr-defined]
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
         else:
-            with torch.no_grad():
-                torch._foreach_mul_(grads, self._one)
+            _gradients.multiply_(grads, self._one)
             self.optimizer.step()
 
     def skipped_steps(self) -> int:

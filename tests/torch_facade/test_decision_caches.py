@@ -11,12 +11,24 @@ state for a parameter that had none (oracle: snapshots taken before the step).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
-from facade_helpers import DLS, INF, TinyNet, deep_equal, loss_of, one_step, optimizer_snapshot
+from facade_helpers import (
+    DLS,
+    INF,
+    TinyNet,
+    batch,
+    deep_equal,
+    loss_of,
+    one_step,
+    optimizer_snapshot,
+)
+from test_facade_compile_and_zero_copy import record_imports
 
 import torch_facade as cstorch
+from torch_facade.amp import _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -169,3 +181,289 @@ def test_fused_skip_after_a_replaced_params_list_creates_no_state() -> None:
     assert deep_equal(snapshot, {id(k): v for k, v in optimizer.state.items()})
     for before, param in zip(params, group["params"], strict=True):
         assert torch.equal(before, param)
+
+
+# ------------------------------------------- the gradients' structure, remembered between reads
+#
+# After a full read the scaler's decider remembers the structure of the gradients (which
+# parameters have one, their types and dtypes, which are read by themselves and which packed
+# per dtype) and reads the next iteration's fresh gradients through it, checking only what is
+# cheap (_gradients.Structure). Each test below changes one thing that structure depends on
+# after it was remembered, and checks the decision against an oracle: a new scaler, which
+# remembers nothing and reads every gradient fully, or the known overflow.
+
+
+def _full_reads(scaler: cstorch.amp.GradScaler) -> int:
+    return scaler._decider.reader.full_reads
+
+
+def _warm(scaler, model, optimizer, steps=3, loss=loss_of):
+    for step in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(loss(model, step)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert int(scaler.get_num_skipped_steps()) == 0
+
+
+def _decide(scaler, model, optimizer, step, loss=loss_of, poison=None):
+    """One iteration with fresh gradients; ``poison(model)`` may write into them before the
+    decision. Returns the decision's flag and norm."""
+    optimizer.zero_grad()
+    scaler.scale(loss(model, step)).backward()
+    if poison is not None:
+        poison(model)
+    scaler.unscale_(optimizer)
+    result = bool(scaler.get_isfinite()), float(scaler.get_global_norm())
+    scaler.step(optimizer)
+    scaler.update()
+    return result
+
+
+def _fresh_norm(model, loss, step, scale=DLS["init_scale"], **config):
+    """The norm a new scaler (no remembered structure) decides for the same gradients."""
+    twin = copy.deepcopy(model)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=scale, **config)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.0)
+    scaler.scale(loss(twin, step)).backward()
+    scaler.unscale_(optimizer)
+    return float(scaler.get_global_norm())
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["fresh", "persistent"])
+def test_a_steady_loop_reads_through_the_remembered_structure(set_to_none):
+    """The structure is remembered (the tests below then exercise it) and is used for fresh
+    gradients and persistent ones alike; its decisions are a full read's."""
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+    reads = _full_reads(scaler)
+    for step in range(3, 8):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        scaler.scale(loss_of(model, step)).backward()
+        expected = _fresh_norm(model, loss_of, step)
+        scaler.unscale_(optimizer)
+        assert float(scaler.get_global_norm()) == expected
+        scaler.step(optimizer)
+        scaler.update()
+    assert _full_reads(scaler) == reads
+
+
+@pytest.mark.parametrize("poisoned", ["swapped_in", "swapped_out"])
+def test_parameter_swapped_inside_its_params_list_takes_part(poisoned):
+    """The same list object, the same length, one parameter replaced: the participants are
+    compared by identity, so the new parameter's gradient is read and the old one's is not."""
+    model = TinyNet()
+    optimizer = torch.optim.SGD([*model.fc1.parameters(), *model.fc2.parameters()], lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+    extra = torch.nn.Parameter(torch.ones(3))
+    group = optimizer.param_groups[0]
+    group["params"][1] = extra  # in place of fc1.bias, which the loss still reaches
+
+    def poison(m):
+        (extra if poisoned == "swapped_in" else m.fc1.bias).grad[0] = INF
+
+    before = [p.detach().clone() for p in group["params"]]
+    finite, _ = _decide(scaler, model, optimizer, 3, lambda m, s: _extra_loss(m, extra, s), poison)
+    assert finite is (poisoned == "swapped_out")
+    unchanged = [torch.equal(b, p) for b, p in zip(before, group["params"], strict=True)]
+    assert all(unchanged) is (poisoned == "swapped_in")
+
+
+def test_fused_skip_after_a_parameter_swapped_inside_its_params_list_creates_no_state():
+    model = TinyNet()
+    optimizer = _fused_adam(model)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _train(scaler, model, optimizer)  # every parameter has state; remembered
+    extra = torch.nn.Parameter(torch.ones(3))
+    group = optimizer.param_groups[0]
+    group["params"][1] = extra  # same list, same length, same number of state entries
+
+    optimizer.zero_grad()
+    scaler.scale(_extra_loss(model, extra, 3)).backward()
+    model.fc1.weight.grad[0, 0] = INF
+    snapshot = {id(k): copy.deepcopy(v) for k, v in optimizer.state.items()}
+    scaler.step(optimizer)
+    scaler.update()
+
+    assert int(scaler.get_num_skipped_steps()) == 1
+    assert not optimizer.state.get(extra)
+    assert deep_equal(snapshot, {id(k): v for k, v in optimizer.state.items()})
+
+
+def test_a_gradient_in_another_dtype_is_unscaled_in_that_dtype():
+    """One layer converted to bfloat16 after the structure was remembered: its gradients are
+    unscaled in bfloat16, as a full read does. With a scale that is not a power of two the
+    rounding shows in the norm (a float32 read of them would give another norm)."""
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=3.0)
+    _warm(scaler, model, optimizer)
+    reads = _full_reads(scaler)
+    model.fc2.to(torch.bfloat16)  # the same parameter objects, new .data
+
+    def loss(m, step):
+        x, y = batch(step)
+        return (m.fc2(torch.tanh(m.fc1(x)).bfloat16()).float() - y).square().mean()
+
+    expected = _fresh_norm(model, loss, 3, scale=3.0)
+    # By hand: the scaled gradients unscaled in their own dtype, or all in float32.
+    twin = copy.deepcopy(model)
+    (loss(twin, 3) * 3.0).backward()
+    inv = torch.tensor(1 / 3.0)
+    grads = [p.grad for p in twin.parameters() if p.grad is not None]
+    own = math.sqrt(
+        sum(float((g.float() * inv).to(g.dtype).double().square().sum()) for g in grads)
+    )
+    wide = math.sqrt(sum(float((g.float() * inv).double().square().sum()) for g in grads))
+    assert abs(own - wide) > 1e-5 * wide  # the dtype shows in the norm
+
+    finite, norm = _decide(scaler, model, optimizer, 3, loss)
+    assert finite and norm == expected
+    assert norm == pytest.approx(own, rel=1e-6)
+    assert _full_reads(scaler) == reads + 1
+
+
+@pytest.mark.parametrize("elements", [6, 5000], ids=["still_small", "now_large"])
+def test_a_resized_gradient_is_read_whole(elements):
+    """A parameter given new data of another size: its whole new gradient is read (an inf in
+    its last element skips), packed or by itself, as a full read does."""
+    model = TinyNet()
+    extra = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+
+    def loss(m, step):
+        return _extra_loss(m, extra, step)
+
+    _warm(scaler, model, optimizer, loss=loss)
+    extra.data = torch.ones(elements)
+    extra.grad = None
+    expected = _fresh_norm(model, lambda m, s: loss_of(m, s) + extra.square().sum(), 3)
+    finite, norm = _decide(scaler, model, optimizer, 3, loss)
+    assert finite and norm == pytest.approx(expected, rel=1e-6)
+
+    def poison(m):
+        extra.grad[-1] = INF
+
+    assert _decide(scaler, model, optimizer, 4, loss, poison)[0] is False
+
+
+def test_gradients_that_appear_or_vanish_change_what_is_read():
+    """TinyNet's ``unused`` layer has no gradients until a loss reaches it; then an inf there
+    skips. A layer frozen afterwards has none again, and nothing of it is read or multiplied."""
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+
+    def with_unused(m, step):
+        return loss_of(m, step) + m.unused(torch.ones(1, 2)).square().sum()
+
+    def poison(m):
+        m.unused.bias.grad[0] = INF
+
+    assert _decide(scaler, model, optimizer, 3, with_unused, poison)[0] is False
+    expected = _fresh_norm(model, with_unused, 4)
+    assert _decide(scaler, model, optimizer, 4, with_unused) == (True, expected)
+    model.fc2.requires_grad_(False)
+    frozen = [p.detach().clone() for p in model.fc2.parameters()]
+    expected = _fresh_norm(model, with_unused, 5)
+    assert _decide(scaler, model, optimizer, 5, with_unused) == (True, expected)
+    assert all(p.grad is None for p in model.fc2.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(frozen, model.fc2.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_a_gradient_turned_sparse_raises_the_clear_error(which):
+    model = TinyNet()
+    big = torch.nn.Linear(80, 64)  # a 5120-element weight: read by itself
+    optimizer = torch.optim.SGD([*model.parameters(), *big.parameters()], lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+
+    def loss(m, step):
+        return loss_of(m, step) + big(torch.ones(1, 80)).square().mean()
+
+    _warm(scaler, model, optimizer, loss=loss)
+    optimizer.zero_grad()
+    scaler.scale(loss(model, 3)).backward()
+    param = model.fc1.bias if which == "small" else big.weight
+    param.grad = param.grad.to_sparse()
+    with pytest.raises(TypeError, match="does not support sparse gradients"):
+        scaler.step(optimizer)
+
+
+def test_gradients_turned_into_views_of_one_buffer_are_read_correctly(monkeypatch):
+    """Gradients made views of one flat buffer (as DDP's ``gradient_as_bucket_view``) after
+    the structure was remembered: a large one among them makes the full read look again, and
+    it reads the whole buffer through one import, where torch keeps it."""
+    imported = record_imports(monkeypatch)
+    model = TinyNet()
+    big = torch.nn.Linear(80, 64)
+    params = [*model.fc1.parameters(), *model.fc2.parameters(), *big.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+
+    def loss(m, step):
+        return loss_of(m, step) + big(torch.ones(1, 80)).square().mean()
+
+    _warm(scaler, model, optimizer, loss=loss)
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for param in params:
+        param.grad = flat[offset : offset + param.numel()].view_as(param)
+        offset += param.numel()
+    expected = _fresh_norm(model, loss, 3)
+    for param in params:  # the twin's backward above did not touch these; refill them
+        param.grad.zero_()
+    imported.clear()
+    optimizer.zero_grad(set_to_none=False)
+    scaler.scale(loss(model, 3)).backward()
+    scaler.unscale_(optimizer)
+    assert float(scaler.get_global_norm()) == pytest.approx(expected, rel=1e-6)
+    (arrays,) = imported
+    assert [a.unsafe_buffer_pointer() for a in arrays] == [flat.data_ptr()]
+    scaler.step(optimizer)
+    scaler.update()
+    assert (
+        _decide(scaler, model, optimizer, 4, loss, lambda m: params[1].grad.fill_(INF))[0] is False
+    )
+
+
+def test_a_changed_small_gradient_threshold_is_seen(monkeypatch):
+    """``_storage.SMALL_GRADIENT`` (which gradients are packed) is part of what is remembered:
+    set to 0 after warm-up, every gradient is then read where torch keeps it."""
+    imported = record_imports(monkeypatch)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+    monkeypatch.setattr(_storage, "SMALL_GRADIENT", 0)
+    imported.clear()
+    optimizer.zero_grad()
+    scaler.scale(loss_of(model, 3)).backward()
+    pointers = sorted(p.grad.data_ptr() for p in model.parameters() if p.grad is not None)
+    scaler.step(optimizer)
+    scaler.update()
+    (arrays,) = imported
+    assert sorted(a.unsafe_buffer_pointer() for a in arrays) == pointers
+
+
+def test_a_parameter_swapped_out_is_no_longer_covered_by_the_decision():
+    """Which parameters' gradients a decision read (checked when an optimizer first meets the
+    scaler after it) follows the swap too: the swapped-out parameter still gets a gradient,
+    and an optimizer of it met after the decision is refused."""
+    model = TinyNet()
+    optimizer = torch.optim.SGD([*model.fc1.parameters(), *model.fc2.parameters()], lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+    extra = torch.nn.Parameter(torch.ones(3))
+    optimizer.param_groups[0]["params"][1] = extra  # fc1.bias out
+    optimizer.zero_grad()
+    scaler.scale(_extra_loss(model, extra, 3)).backward()
+    scaler.step(optimizer)
+    late = torch.optim.SGD([model.fc1.bias], lr=0.1)
+    with pytest.raises(RuntimeError, match="after this iteration's overflow decision"):
+        scaler.step(late)

@@ -257,3 +257,32 @@ def test_grad_data_replaced_in_place_is_seen():
         scaler.step(optimizer)
         scaler.update()
     torch.testing.assert_close(parameters_of(model), parameters_of(reference), **TIGHT)
+
+
+def test_the_in_place_multiply_rounds_once_from_float32_in_every_dtype():
+    """The facade's multiply (torch's loss-scaling kernel on the CPU, ``_foreach_mul_`` for other
+    dtypes): ``g * m`` computed in float32 (float64 for float64, complex for complex) and rounded
+    once to the gradient's dtype, specials kept; a list mixing a dtype the kernel refuses is
+    multiplied once, not partly twice. Oracle: the element-wise product in the wider dtype."""
+    from torch_facade.amp import _gradients
+
+    generator = torch.Generator().manual_seed(3)
+    multiplier = torch.tensor(1 / 3.0)  # not a power of two: rounding shows
+
+    def gradient(dtype):
+        values = torch.randn(64, generator=generator) * 1000
+        values[:4] = torch.tensor([INF, -INF, float("nan"), -0.0])
+        return values.to(dtype)
+
+    def expected(grad):
+        wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        if grad.is_complex():
+            return grad * multiplier
+        return (grad.to(wide) * multiplier.to(wide)).to(grad.dtype)
+
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    for group in (dtypes, [*dtypes, torch.complex64]):
+        grads = [gradient(d) if d != torch.complex64 else torch.ones(5, dtype=d) for d in group]
+        oracle = [expected(g) for g in grads]
+        _gradients.multiply_(grads, multiplier)
+        assert_tensors_equal(oracle, grads)

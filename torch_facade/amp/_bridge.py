@@ -94,6 +94,11 @@ def place_state(state: amp_core.LossScaleState, torch_device: torch.device) -> A
     return jax.device_put(state, device)
 
 
+def counter_on(torch_device: torch.device, value: int) -> jax.Array:
+    """``value`` as an int32 JAX array on the JAX device matching ``torch_device``."""
+    return jax.device_put(np.int32(value), _jax_guest.jax_device_for(torch_device))
+
+
 def on_host(state: amp_core.LossScaleState) -> amp_core.LossScaleState:
     """The state as (writable) NumPy arrays: a host synchronisation if it is on a device."""
     return host_state(jax.device_get(tuple(state)))
@@ -109,13 +114,23 @@ class FacadeStep(NamedTuple):
     """The outputs of one decision, still as JAX arrays.
 
     The float32 numbers torch needs every step are packed into ``scalars`` so that they cross
-    into torch with one DLPack export (see :class:`StepScalars`), not several.
+    into torch with one DLPack export (see :class:`StepScalars`), not several. The step's flag
+    and norm are the next state's (amp_core records them there), not outputs of their own: each
+    output is an array to create on every call.
     """
 
     next_state: amp_core.LossScaleState
-    isfinite: jax.Array
-    global_norm: jax.Array
     scalars: jax.Array  # float32[8], in the field order of StepScalars
+
+    @property
+    def isfinite(self) -> jax.Array:
+        """Whether this step's gradients were finite (0-d bool)."""
+        return self.next_state.isfinite
+
+    @property
+    def global_norm(self) -> jax.Array:
+        """The global L2 norm of this step's unscaled gradients (0-d float32)."""
+        return self.next_state.global_norm
 
 
 class StepScalars(NamedTuple):
@@ -156,7 +171,7 @@ def _finish(
             clip,
         ]
     )
-    return FacadeStep(next_state, result.isfinite, result.global_norm, scalars)
+    return FacadeStep(next_state, scalars)
 
 
 def _local_step(

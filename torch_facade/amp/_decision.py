@@ -72,6 +72,9 @@ class Decision:
     # them in place when it applies the step and leaves them alone when it skips it.
     to_kernel: set[int] = dataclasses.field(default_factory=set)
     scale_updated: bool = False
+    # The participating parameters the decision was taken over (the scaler's list: the same
+    # object while they stay the same, which caches keyed on it rely on).
+    params: Sequence[torch.Tensor] = ()
     # Kept alive for the lifetimes described in the module docstring.
     keep: tuple[Any, ...] = ()
     _host_values: list[float] | None = None
@@ -188,6 +191,10 @@ class Decider:
 
     def __init__(self, process_group: Any) -> None:
         self.process_group = process_group
+        self.reader = _gradients.Reader()  # remembers the gradients' structure between reads
+        # The optimizer step count as a JAX array on a device (a Python int would be converted
+        # and transferred on every call).
+        self._counts: dict[tuple[torch.device, int], Any] = {}
         # Static scaling's multiplier on a device, for the state it was computed from.
         self._static: tuple[amp_core.LossScaleState, torch.device, torch.Tensor] | None = None
 
@@ -232,7 +239,7 @@ class Decider:
             optimizers: the known optimizers (each counts one optimizer step).
             placed_for: the torch device whose JAX device ``state`` is known to be on.
         """
-        grads = _gradients.read(params)
+        grads = self.reader.read(params)
         self._check_meshes(grads)
         device = grads.device or placed_for or _CPU
         if device != placed_for:
@@ -240,10 +247,13 @@ class Decider:
         crossing = _bridge.crossing_for(device)
         branch_free = not crossing.host_is_device
         steps = len(optimizers)
+        count = self._counts.get((device, steps))
+        if count is None:
+            count = self._counts[(device, steps)] = _bridge.counter_on(device, steps)
         collective = _distributed.collective(self.process_group)
         if collective is None:
             arrays = _bridge.import_tensors(grads.sharded + grads.replicated)
-            out = _bridge.local_core(config, branch_free)(state, arrays, steps)
+            out = _bridge.local_core(config, branch_free)(state, arrays, count)
             keep: tuple[Any, ...] = ()
         else:
             sharded = _bridge.import_tensors(grads.sharded)
@@ -252,7 +262,7 @@ class Decider:
                 _bridge.partials_core(branch_free)(state, sharded, replicated)
             )
             gathered = collective.gather(partials)
-            out = _bridge.distributed_core(config)(state, _bridge.to_jax(gathered), steps)
+            out = _bridge.distributed_core(config)(state, _bridge.to_jax(gathered), count)
             keep = (partials, gathered)
         packed = _bridge.packed_scalars(out, crossing)  # the imports may go once this returns
         scalars = _bridge.StepScalars(*packed.unbind())
@@ -269,6 +279,7 @@ class Decider:
             expected_steps=steps,
             device=device,
             host_is_device=crossing.host_is_device,
+            params=params,
             keep=keep,
         )
         if collective is not None and crossing.host_is_device:

@@ -8,6 +8,7 @@ decision's scalars replaces the gradient write pass and the host read of ``isfin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ class FusedSteps:
     """
 
     def __init__(self) -> None:
-        self._all_stateful: dict[int, tuple[Any, ...]] = {}
+        # Per optimizer id: what was checked, and the participants list it was checked with.
+        self._all_stateful: dict[int, tuple[tuple[Any, ...], Any]] = {}
 
     def possible(self, optimizer: torch.optim.Optimizer, decision: Decision) -> bool:
         """Whether ``optimizer`` can unscale and skip in its fused kernel, changing nothing.
@@ -38,19 +40,24 @@ class FusedSteps:
             return False
         if hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"):
             return False
-        return self.has_state_for_gradients(optimizer)
+        return self.has_state_for_gradients(optimizer, decision.params)
 
-    def has_state_for_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
+    def has_state_for_gradients(
+        self, optimizer: torch.optim.Optimizer, participants: Sequence[torch.Tensor] = ()
+    ) -> bool:
         """Whether every parameter of ``optimizer`` with a gradient has optimizer state.
 
         Once every parameter (of the groups that keep state) has state, that is remembered while
-        the state dict stays the same object with as many entries and the param groups'
-        ``params`` lists stay the same: a step that creates state, ``load_state_dict``,
-        ``add_param_group`` or a replaced ``params`` list looks again.
+        the state dict stays the same object with as many entries, the param groups' ``params``
+        lists stay the same, and the decision's ``participants`` are the same list object (the
+        scaler makes a new one when any parameter of any known optimizer changed, by identity):
+        a step that creates state, ``load_state_dict``, ``add_param_group``, a replaced
+        ``params`` list or a parameter swapped inside one looks again.
         """
         state = optimizer.state
         key = (id(state), len(state), groups_key([optimizer]))
-        if self._all_stateful.get(id(optimizer)) == key:
+        cached = self._all_stateful.get(id(optimizer))
+        if cached is not None and cached[0] == key and cached[1] is participants:
             return True
         # By id: hashing a tensor key goes through Python (``Tensor.__hash__``), once per param.
         with_state = {id(param) for param, entry in state.items() if entry}
@@ -64,7 +71,7 @@ class FusedSteps:
                     if param.grad is not None:
                         return False
         if every:
-            self._all_stateful[id(optimizer)] = key
+            self._all_stateful[id(optimizer)] = (key, participants)
         return True
 
     @staticmethod

@@ -70,8 +70,24 @@ def _packed(group: list[torch.Tensor]) -> torch.Tensor:
     flat copy of all of them (one torch kernel)."""
     if len(group) == 1:
         return in_memory_order(group[0])
+    return concatenated(group, all(t.dim() == 1 for t in group))
+
+
+def concatenated(group: list[torch.Tensor], one_dim: bool) -> torch.Tensor:
+    """A flat copy of the values of every tensor of ``group`` (one dtype, one device), in order.
+
+    ``one_dim``: all are 1-D, so ``torch.cat`` takes them as they are (about 0.1 us a tensor on
+    the CPU here, against 0.4 for flattening each first, as other shapes need). Under
+    ``no_grad``: gradients made with ``create_graph=True`` require grad, and the copy must not.
+
+    Raises:
+        RuntimeError: torch refuses them together (several devices; ``one_dim`` and a tensor
+            that is not 1-D; a sparse tensor among dense ones).
+    """
     with torch.no_grad():
-        return torch._utils._flatten_dense_tensors([_detached(t) for t in group])
+        if one_dim:
+            return torch.cat(group)
+        return torch._utils._flatten_dense_tensors(group)
 
 
 def _is_flat(tensor: torch.Tensor) -> bool:

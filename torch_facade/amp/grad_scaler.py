@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from torch_facade.amp import (
     conditional_update,
 )
 from torch_facade.amp._amp_state import get_half_dtype_str
-from torch_facade.amp._decision import Decider, Decision, groups_key, params_of
+from torch_facade.amp._decision import Decider, Decision, params_of
 from torch_facade.amp._fused import FusedSteps
 from torch_facade.amp._host_side import host_side
 from torch_facade.amp.diagnostics import LossScaleStalledError, StallWatch, overflow_report
@@ -203,8 +204,8 @@ class GradScaler:
             else None
         )
         self._fused = FusedSteps()
-        # The participating parameters, remembered while the param groups stay the same.
-        self._participants_cache: tuple[tuple[Any, ...], list[torch.Tensor]] | None = None
+        # The participating parameters, the same list while they stay the same (by identity).
+        self._participants_cache: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -795,14 +796,21 @@ class GradScaler:
     def _participants(self) -> list[torch.Tensor]:
         """Every known optimizer's parameters, then (first iteration) those the losses reach.
 
-        Cached while the optimizers and their param groups' lists stay the same ones, of the
-        same lengths (``add_param_group`` or a replaced ``params`` list looks again).
+        The same list object as last time while every one of them is the same parameter, by
+        identity, in the same order (the gradients' remembered structure is kept for that list:
+        ``add_param_group``, a replaced ``params`` list or a parameter swapped inside one gives
+        a new list). The remembered list keeps its parameters alive, so no other object can
+        take one's place at the same address.
         """
-        key = groups_key(self._optimizers)
+        params = [p for o in self._optimizers for group in o.param_groups for p in group["params"]]
         cached = self._participants_cache
-        if cached is not None and cached[0] == key and not self._reached:
-            return cached[1]
-        params = [p for o in self._optimizers for p in _params(o)]
+        if (
+            cached is not None
+            and not self._reached
+            and len(cached) == len(params)
+            and all(map(operator.is_, params, cached))
+        ):
+            return cached
         seen = {id(p) for p in params}
         if len(seen) != len(params):
             raise ValueError(
@@ -810,7 +818,7 @@ class GradScaler:
                 "parameter must belong to one optimizer and one param group"
             )
         if not self._reached:
-            self._participants_cache = (key, params)
+            self._participants_cache = params
         for param in self._reached:
             if id(param) not in seen:
                 seen.add(id(param))
@@ -825,20 +833,19 @@ class GradScaler:
         """
         if self._decision is not None:
             return self._decision
+        params = self._participants()
         config = self._config
         if isinstance(config, amp_core.DynamicLossScale):
             if clip_norm is not None:
                 config = _with_clip_norm(config, clip_norm)
             decision = self._decider.dynamic(
-                config, self._state, self._participants(), self._optimizers, self._placed_for
+                config, self._state, params, self._optimizers, self._placed_for
             )
         else:  # static scaling never checks: apply every step
-            decision = self._decider.static(
-                self._state, self._participants(), self._optimizers, self._identity
-            )
+            decision = self._decider.static(self._state, params, self._optimizers, self._identity)
         if decision.state_before is not self._state:  # placed on the gradients' device
             self._set_state(decision.state_before, placed_for=decision.device)
         self._decision = decision
         if self._dynamic:
-            _cbfloat16_notice.check(self, self._participants())
+            _cbfloat16_notice.check(self, params)
         return decision
