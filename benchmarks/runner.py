@@ -52,7 +52,7 @@ from benchmarks.timing import (
 MS = 1e3
 DEFAULT_ROUNDS = 5
 
-HOST_ITERS = 20
+HOST_ITERS = 100
 """Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
 
 SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host")
@@ -580,6 +580,7 @@ class _Run:
             max_iters=self.options.iters or HOST_ITERS,
             fixed_iters=self.options.iters is not None,
             warmup=self.options.warmup,
+            by_call=True,
         )
         for tensors in self.options.host_tensors:
             for optimizer in host_bench.OPTIMIZERS:

@@ -197,12 +197,14 @@ def run_interleaved(
     iters: int,
     counter: CompileCounter,
     on_round: Callable[[], Any] = lambda: None,
+    by_call: bool = False,
 ) -> dict[str, Timing]:
     """Times the variants round by round, interleaved, in this process.
 
-    Each round runs every variant ``iters`` times in a row (each call after its untimed refill);
-    the variants' order rotates from round to round so that none always follows the same one.
-    Python's garbage collector is paused while timing, as ``timeit`` does.
+    Each round runs every variant ``iters`` times in a row (each call after its untimed refill),
+    or with ``by_call`` every variant once, ``iters`` times over; the variants' order rotates
+    from round to round so that none always follows the same one. Python's garbage collector is
+    paused while timing, as ``timeit`` does.
 
     Args:
         variants: the variants, already warmed up.
@@ -210,6 +212,7 @@ def run_interleaved(
         iters: timed calls per variant and round.
         counter: a listening compile counter (compilations are attributed to variants).
         on_round: called after every round (progress).
+        by_call: interleave call by call (see :class:`Plan`).
 
     Returns:
         One :class:`Timing` per variant name.
@@ -218,23 +221,25 @@ def run_interleaved(
     for round_index in range(rounds):
         shift = round_index % len(variants)
         order = list(variants[shift:]) + list(variants[:shift])
+        samples: dict[str, list[float]] = {v.name: [] for v in order}
         gc.collect()
         gc.disable()
         try:
-            for variant in order:
-                samples = []
-                before = counter.count
-                for _ in range(iters):
+            blocks = [order] * iters if by_call else [[v] * iters for v in order]
+            for block in blocks:
+                for variant in block:
+                    before = counter.count
                     variant.refill()
                     start = time.perf_counter()
                     variant.step()
-                    samples.append(time.perf_counter() - start)
-                timing = timings[variant.name]
-                timing.compiles += counter.count - before
-                timing.samples.append(samples)
-                timing.rounds.append(statistics.median(samples))
+                    samples[variant.name].append(time.perf_counter() - start)
+                    timings[variant.name].compiles += counter.count - before
         finally:
             gc.enable()
+        for variant in order:
+            timing = timings[variant.name]
+            timing.samples.append(samples[variant.name])
+            timing.rounds.append(statistics.median(samples[variant.name]))
         on_round()
     return timings
 
@@ -249,12 +254,18 @@ class Plan:
         warmup: untimed calls per variant after its first call (at least one is made, to size
             the rounds).
         fixed_iters: always use ``max_iters``.
+        by_call: interleave call by call within a round (every variant's first call, then
+            every variant's second, ...) instead of variant by variant: a drift of the machine's
+            speed over a round (tens of percent over a few hundred milliseconds on these
+            virtual machines) then reaches every variant alike. For steps of a millisecond or
+            two, where such a drift is larger than the differences measured.
     """
 
     rounds: int
     max_iters: int
     warmup: int
     fixed_iters: bool = False
+    by_call: bool = False
 
 
 def measure(
@@ -266,7 +277,7 @@ def measure(
     """Warms the variants up, picks the calls per round, and times them interleaved."""
     slowest = warm_up(variants, max(1, plan.warmup))
     iters = choose_iters(plan.max_iters, slowest, plan.fixed_iters)
-    return run_interleaved(variants, plan.rounds, iters, counter, on_round)
+    return run_interleaved(variants, plan.rounds, iters, counter, on_round, plan.by_call)
 
 
 def measure_group(

@@ -467,3 +467,102 @@ def test_a_parameter_swapped_out_is_no_longer_covered_by_the_decision():
     late = torch.optim.SGD([model.fc1.bias], lr=0.1)
     with pytest.raises(RuntimeError, match="after this iteration's overflow decision"):
         scaler.step(late)
+
+
+def _counting_local_tensors(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts how often the multiply collects an optimizer's gradients again."""
+    from torch_facade.amp import _gradients
+
+    calls: list[int] = []
+    collect = _gradients.local_tensors
+
+    def counted(params):
+        calls.append(len(params))
+        return collect(params)
+
+    monkeypatch.setattr(_gradients, "local_tensors", counted)
+    return calls
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_"])
+def test_one_optimizer_multiplies_the_gradients_its_decision_read(monkeypatch, unscale_first):
+    """With one optimizer holding every participant, the decision's own list of gradients is
+    multiplied (no second collection), and the result is the plain loop's, step by step."""
+    model, twin = TinyNet(), TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = torch.optim.SGD(twin.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0**10)
+    calls = _counting_local_tensors(monkeypatch)
+    for step in range(4):
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        if unscale_first:
+            scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        plain.zero_grad()
+        loss_of(twin, step).backward()
+        plain.step()
+        assert all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
+        )
+    assert calls == []
+
+
+def test_two_optimizers_collect_their_own_gradients(monkeypatch):
+    """Two optimizers: each multiplies its own parameters' gradients, collected at its step."""
+    model = TinyNet()
+    first = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
+    second = torch.optim.SGD(model.fc2.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", optimizers=[first, second])
+    calls = _counting_local_tensors(monkeypatch)
+    first.zero_grad()
+    second.zero_grad()
+    scaler.scale(loss_of(model, 0)).backward()
+    expected = [p.grad / scaler.get_scale() for p in model.parameters() if p.grad is not None]
+    scaler.step(first)
+    scaler.step(second)
+    scaler.update()
+    assert calls == [2, 2]
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+
+
+def test_a_gradient_replaced_between_unscale_and_step_gets_the_clip():
+    """DLS + GCC, ``unscale_`` then ``step``: the clip multiplies the gradients present at
+    ``step`` (collected again there), not the ones the decision read."""
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", max_gradient_norm=1e-3)
+    scaler.scale(loss_of(model, 0)).backward()
+    scaler.unscale_(optimizer)  # unscaled; the clip waits for step
+    norm = float(scaler.get_global_norm())
+    assert norm > 1e-3
+    old = model.fc1.weight.grad
+    new = old.clone()
+    model.fc1.weight.grad = new
+    scaler.step(optimizer)
+    scaler.update()
+    coefficient = 1e-3 / (norm + 1e-6)  # clip_grad_norm_'s coefficient
+    torch.testing.assert_close(new, old * coefficient)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_gradients_read_do_not_outlive_the_iteration(fused):
+    """After ``update()`` and ``zero_grad()`` nothing the scaler keeps holds a gradient (a
+    second set of gradients would stay alive through the next backward pass)."""
+    import gc
+    import weakref
+
+    model = TinyNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused, foreach=not fused)
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+    for step in range(2):
+        one_step(scaler, model, optimizer, step)
+    scaler.scale(loss_of(model, 2)).backward()
+    refs = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)

@@ -77,6 +77,12 @@ class Decision:
     params: Sequence[torch.Tensor] = ()
     # Kept alive for the lifetimes described in the module docstring.
     keep: tuple[Any, ...] = ()
+    # The gradients read, to multiply without collecting them again, while nothing but the
+    # scaler's own code ran since the read (see ``finish``); dropped once used, or at
+    # ``update()``, so that they never outlive the iteration.
+    read: _gradients.GradientRead | None = None
+    # The optimizer (by id) whose parameters are exactly the participants, if there is one.
+    sole: int | None = None
     _host_values: list[float] | None = None
 
     def isfinite(self) -> torch.Tensor:
@@ -121,24 +127,46 @@ class Decision:
         if self.full is not None:
             self.pending[id(optimizer)] = self.full
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscales ``optimizer``'s gradients; with GCC the clip waits for ``step``."""
+    def unscale_(self, optimizer: torch.optim.Optimizer, just_read: bool = False) -> None:
+        """Unscales ``optimizer``'s gradients; with GCC the clip waits for ``step``.
+
+        ``just_read``: see :meth:`finish`.
+        """
         if self.pending.get(id(optimizer)) is not self.full:
             return
         if self.clip is None:
-            self.finish(optimizer)
+            self.finish(optimizer, just_read)
         else:
             assert self.unscale is not None  # set whenever clip is
-            multiply(optimizer, self.unscale)
+            self._multiply(optimizer, self.unscale, just_read)
             self.pending[id(optimizer)] = self.clip
             self.unscaled.add(id(optimizer))
 
-    def finish(self, optimizer: torch.optim.Optimizer) -> None:
-        """Applies whatever ``optimizer``'s gradients still need."""
+    def finish(self, optimizer: torch.optim.Optimizer, just_read: bool = False) -> None:
+        """Applies whatever ``optimizer``'s gradients still need.
+
+        ``just_read``: the decision was taken in the same call, with no user code since the
+        read, so the gradients it read are still the ones to multiply (when ``optimizer``
+        holds every participating parameter, the read's list is reused as it is).
+        """
         multiplier = self.pending.pop(id(optimizer), None)
         if multiplier is not None:
-            multiply(optimizer, multiplier)
+            self._multiply(optimizer, multiplier, just_read)
             self.unscaled.add(id(optimizer))
+
+    def _multiply(
+        self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, just_read: bool
+    ) -> None:
+        read, self.read = self.read, None
+        if (
+            just_read
+            and read is not None
+            and read.tensors is not None
+            and self.sole == id(optimizer)
+        ):
+            _gradients.multiply_(read.tensors, multiplier, read.dtypes)
+        else:
+            multiply(optimizer, multiplier)
 
     def inverse_scale_of(self, optimizer: torch.optim.Optimizer) -> float:
         """What ``optimizer``'s gradients must still be multiplied by to read them unscaled."""
@@ -164,6 +192,23 @@ _CONSISTENT = _bridge.StepScalars._fields.index("consistent")
 def multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
     """Multiplies ``optimizer``'s gradients in place by a 0-d float32 tensor."""
     _gradients.multiply_(_gradients.local_tensors(params_of(optimizer)), multiplier)
+
+
+def _sole(
+    optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
+) -> int | None:
+    """``id`` of the one optimizer whose parameters are all of ``params``, or ``None``.
+
+    ``params`` (the participants) list every known optimizer's parameters in order, then any
+    others the losses reached, with no parameter twice: one optimizer holding as many
+    parameters as ``params`` holds exactly them, in that order.
+    """
+    if len(optimizers) != 1:
+        return None
+    (optimizer,) = optimizers
+    if sum(len(group["params"]) for group in optimizer.param_groups) != len(params):
+        return None
+    return id(optimizer)
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -281,6 +326,8 @@ class Decider:
             host_is_device=crossing.host_is_device,
             params=params,
             keep=keep,
+            read=grads,
+            sole=_sole(optimizers, params),
         )
         if collective is not None and crossing.host_is_device:
             decision.host_values()  # free here; checks that the ranks agreed

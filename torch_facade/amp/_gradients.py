@@ -52,6 +52,10 @@ class GradientRead:
         covered: ``id`` of every parameter whose gradient was read.
         device: the device of the gradients (``None`` when there are none).
         mesh_groups: the process groups of the DTensor gradients' device meshes.
+        tensors: when every gradient present is a plain tensor of its own, those gradients in
+            parameter order: the list to multiply in place, as :func:`local_tensors` would
+            build it again (``None`` otherwise).
+        dtypes: the dtypes of ``tensors`` (``None`` with them).
     """
 
     sharded: tuple[torch.Tensor, ...]
@@ -59,6 +63,8 @@ class GradientRead:
     covered: frozenset[int]
     device: torch.device | None
     mesh_groups: tuple[Any, ...]
+    tensors: list[torch.Tensor] | None = None
+    dtypes: frozenset[torch.dtype] | None = None
 
 
 def read(params: Iterable[torch.Tensor]) -> GradientRead:
@@ -110,7 +116,11 @@ def _read(
         device=devices.pop() if devices else None,
         mesh_groups=tuple(mesh.get_group() for mesh in meshes.values()),
     )
-    return result, (grads if simple and result.device is not None else None)
+    if not simple or result.device is None:
+        return result, None
+    present = [g for g in grads if g is not None]
+    result = dataclasses.replace(result, tensors=present, dtypes=frozenset(map(_DTYPE, present)))
+    return result, grads
 
 
 def _simple(grad: torch.Tensor) -> bool:
@@ -157,6 +167,7 @@ class Structure:
         device: the device of the gradients.
         covered: ``id`` of every parameter with a gradient.
         small_gradient: ``_storage.SMALL_GRADIENT`` when it was remembered.
+        dtype_set: the distinct ``dtypes``.
     """
 
     params: Sequence[torch.Tensor]
@@ -168,6 +179,7 @@ class Structure:
     device: torch.device
     covered: frozenset[int]
     small_gradient: int
+    dtype_set: frozenset[torch.dtype]
 
     @classmethod
     def of(
@@ -187,11 +199,12 @@ class Structure:
                 packs.setdefault(grad.dtype, []).append(i)
             else:
                 alone.append(i)
+        dtypes = tuple(map(_DTYPE, present))
         return cls(
             params=params,
             types=tuple(map(type, grads)),
             present=None if len(present) == len(grads) else _positions(grads),
-            dtypes=tuple(map(_DTYPE, present)),
+            dtypes=dtypes,
             alone=tuple(alone),
             packs=tuple(
                 (
@@ -204,6 +217,7 @@ class Structure:
             device=device,
             covered=covered,
             small_gradient=small,
+            dtype_set=frozenset(dtypes),
         )
 
     def read(self, params: Sequence[torch.Tensor]) -> GradientRead | None:
@@ -229,8 +243,9 @@ class Structure:
                     return None
                 unit = _storage.in_memory_order(unit)
             else:
+                group = present if len(indices) == len(present) else [present[i] for i in indices]
                 try:
-                    unit = _storage.concatenated([present[i] for i in indices], one_dim)
+                    unit = _storage.concatenated(group, one_dim)
                 except RuntimeError:  # devices or dimensions changed: the full read decides
                     return None
                 if not self._imports(unit):
@@ -238,7 +253,9 @@ class Structure:
             if unit.numel() != numel:
                 return None
             units.append(unit)
-        return GradientRead((), tuple(units), self.covered, self.device, ())
+        return GradientRead(
+            (), tuple(units), self.covered, self.device, (), present, self.dtype_set
+        )
 
     def _imports(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is dense, non-empty and on the remembered device."""
@@ -296,8 +313,14 @@ def local_tensors(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [_dtensor.local_values(grad)[0] for grad in grads if grad is not None]
 
 
-def multiply_(tensors: list[torch.Tensor], multiplier: torch.Tensor) -> None:
+def multiply_(
+    tensors: list[torch.Tensor],
+    multiplier: torch.Tensor,
+    dtypes: frozenset[torch.dtype] | None = None,
+) -> None:
     """Multiplies gradients in place by a 0-d float32 tensor (computed in float32 per element).
+
+    ``dtypes``: the distinct dtypes of ``tensors``, when known (else they are looked at).
 
     On the CPU, gradients of the dtypes torch's loss-scaling kernel takes go through
     ``torch._amp_foreach_non_finite_check_and_unscale_`` as a plain multiply: per element it
@@ -313,7 +336,9 @@ def multiply_(tensors: list[torch.Tensor], multiplier: torch.Tensor) -> None:
     device = tensors[0].device
     multiplier = on_device(multiplier, device)
     with torch.no_grad():
-        if device.type == "cpu" and set(map(_DTYPE, tensors)) <= _UNSCALE_DTYPES:
+        if dtypes is None:
+            dtypes = frozenset(map(_DTYPE, tensors))
+        if device.type == "cpu" and dtypes <= _UNSCALE_DTYPES:
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, _scratch_flag(), multiplier)
         else:
             torch._foreach_mul_(tensors, multiplier)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import operator
 import warnings
 from collections.abc import Mapping, Sequence
@@ -534,7 +535,8 @@ class GradScaler:
         if stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         self._require_scaled("unscale_")
-        self._decide().unscale_(optimizer)
+        just_read = self._decision is None
+        self._decide().unscale_(optimizer, just_read)
         self._stages[optimizer] = _Stage.UNSCALED
 
     @host_side
@@ -594,11 +596,12 @@ class GradScaler:
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
         self._require_scaled("step")
+        just_read = self._decision is None
         decision = self._decide()
         if self._fused.possible(optimizer, decision):
             result = self._fused.step(optimizer, decision, args, kwargs)
         else:
-            decision.finish(optimizer)
+            decision.finish(optimizer, just_read)
             result = optimizer.step(*args, **kwargs) if decision.host_isfinite() else None
         self._stages[optimizer] = _Stage.STEPPED
         return result
@@ -703,6 +706,8 @@ class GradScaler:
                     "update(): there is no overflow check to update the loss scale from"
                 )
             self.update_scale(self._optimizers)
+        if self._decision is not None:
+            self._decision.read = None  # the gradients read must not outlive the iteration
         self._last_decision = self._decision
         self._decision = None
         self._scaled = False
@@ -802,15 +807,14 @@ class GradScaler:
         a new list). The remembered list keeps its parameters alive, so no other object can
         take one's place at the same address.
         """
-        params = [p for o in self._optimizers for group in o.param_groups for p in group["params"]]
         cached = self._participants_cache
-        if (
-            cached is not None
-            and not self._reached
-            and len(cached) == len(params)
-            and all(map(operator.is_, params, cached))
-        ):
-            return cached
+        if cached is not None and not self._reached:
+            lists = [group["params"] for o in self._optimizers for group in o.param_groups]
+            if sum(map(len, lists)) == len(cached) and all(
+                map(operator.is_, itertools.chain.from_iterable(lists), cached)
+            ):
+                return cached
+        params = [p for o in self._optimizers for group in o.param_groups for p in group["params"]]
         seen = {id(p) for p in params}
         if len(seen) != len(params):
             raise ValueError(
