@@ -608,3 +608,22 @@ def test_plots_are_valid_pngs(results: dict[str, Any], tmp_path: Path) -> None:
 def test_run_dir_holds_the_plots(run_dir: Path) -> None:
     for name in (plots.STEP_PNG, plots.WHOLE_PNG, plots.HOST_PNG):
         assert (run_dir / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("by_call", [False, True])
+def test_interleaving_order_and_samples(by_call: bool) -> None:
+    """Variant by variant, each round runs one variant's calls in a row; call by call, the
+    variants alternate call after call. Either way every variant gets its own samples, and
+    the order rotates from round to round."""
+    calls: list[str] = []
+    variants = [timing.Variant(name, lambda name=name: calls.append(name)) for name in "abc"]
+    timings = timing.run_interleaved(
+        variants, rounds=2, iters=2, counter=timing.CompileCounter(), by_call=by_call
+    )
+    if by_call:
+        assert calls == list("abcabc") + list("bcabca")
+    else:
+        assert calls == list("aabbcc") + list("bbccaa")
+    for measured in timings.values():
+        assert [len(s) for s in measured.samples] == [2, 2]
+        assert len(measured.rounds) == 2 and measured.compiles == 0
