@@ -7,7 +7,15 @@
    forward pass, ``scale``, ``backward``, ``unscale_`` with ``--unscale``, ``step``, ``update``)
    for the bare loop, ``torch.amp.GradScaler`` and the facade, interleaved iteration by
    iteration, in us per call and per tensor; these are the real costs.
-2. **cProfile of the facade's calls** (``scale``, ``unscale_``, ``step``, ``update``; the
+2. **Stage timers inside the facade, in the loop**: the median time of each stage of the
+   facade's decision and multiply (reading the gradients, the DLPack import, the jitted core
+   call, the export of its scalars, the in-place multiply), measured by wrapping them while the
+   three loops run interleaved as above; and, on alternate iterations in place of timing the
+   core, a bare jitted sum of squares of the same imported array (one input, one output): what
+   any call into XLA costs at that point of the loop, where caches are cold after the backward
+   pass (several times a tight loop's cost). Import + bare call + export is the floor of any
+   design that decides in XLA; the multiply is a kernel torch's own scaler runs too.
+3. **cProfile of the facade's calls** (``scale``, ``unscale_``, ``step``, ``update``; the
    forward and backward passes are not profiled): the functions with the most self time and the
    most cumulative time, and self time by package, each in us per iteration and per tensor.
    cProfile adds a few hundred ns to every Python call, so its totals exceed the timers'; read
@@ -29,6 +37,7 @@ import cProfile
 import datetime
 import gc
 import json
+import math
 import os
 import pstats
 import statistics
@@ -108,6 +117,76 @@ def time_calls(loop: whole_bench.TrainLoop, unscale: bool = False) -> dict[str, 
     if cuda:
         torch.cuda.synchronize(loop.device)
     return times
+
+
+STAGES = ("read", "import", "core", "export", "multiply", "bare jit")
+"""The facade's stages timed by :func:`stage_timers`, in the order they run."""
+
+
+def stage_timers(
+    loops: dict[str, whole_bench.TrainLoop], iters: int, warmup: int, unscale: bool = False
+) -> dict[str, float]:
+    """Median seconds of each of :data:`STAGES` inside the facade's calls, in the loop.
+
+    The loops run interleaved iteration by iteration as in :func:`median_calls`, with the
+    facade's internal stages wrapped by timers (and restored afterwards). On even iterations the
+    core call is timed; on odd ones a bare jitted ``sum(x * x)`` of the first imported array is
+    timed just before it instead (so each is measured cold, not right after the other).
+    """
+    from unittest import mock
+
+    from torch_facade.amp import _bridge, _gradients
+
+    samples: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    recording = [False]
+    iteration = [0]
+    bare = jax.jit(lambda x: jax.numpy.sum(x * x))
+
+    def timed(stage: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            if recording[0]:
+                samples[stage].append(time.perf_counter() - start)
+            return result
+
+        return wrapper
+
+    local_core = _bridge.local_core
+
+    def core_of(*args: Any) -> Any:
+        core = local_core(*args)
+
+        def call(state: Any, arrays: Any, count: Any) -> Any:
+            if iteration[0] % 2 and arrays:
+                start = time.perf_counter()
+                jax.block_until_ready(bare(arrays[0]))
+                if recording[0]:
+                    samples["bare jit"].append(time.perf_counter() - start)
+                return core(state, arrays, count)
+            return timed("core", core)(state, arrays, count)
+
+        return call
+
+    patches = [
+        mock.patch.object(_gradients.Reader, "read", timed("read", _gradients.Reader.read)),
+        mock.patch.object(_bridge, "import_tensors", timed("import", _bridge.import_tensors)),
+        mock.patch.object(_bridge, "packed_scalars", timed("export", _bridge.packed_scalars)),
+        mock.patch.object(_gradients, "multiply_", timed("multiply", _gradients.multiply_)),
+        mock.patch.object(_bridge, "local_core", core_of),
+    ]
+    for patch in patches:
+        patch.start()
+    try:
+        for index in range(warmup + iters):
+            recording[0] = index >= warmup
+            iteration[0] = index
+            for loop in loops.values():
+                time_calls(loop, unscale)
+    finally:
+        for patch in patches:
+            patch.stop()
+    return {stage: statistics.median(v) if v else math.nan for stage, v in samples.items()}
 
 
 def median_calls(
@@ -281,6 +360,10 @@ def run(
         }
         for name, phases in medians.items()
     }
+    stages = {
+        stage: {"us": seconds * 1e6, "us_per_tensor": seconds * 1e6 / tensors}
+        for stage, seconds in stage_timers(loops, iters, warmup, unscale).items()
+    }
     profile = profile_facade(loops["facade"], iters, tensors, top, unscale)
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -294,7 +377,7 @@ def run(
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
-    return {"meta": meta, "calls": calls, "profile": profile}
+    return {"meta": meta, "calls": calls, "stages": stages, "profile": profile}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -333,6 +416,29 @@ def markdown(result: dict[str, Any]) -> str:
             for phase in phases
         ],
         ["l", "r", "r", "r", "r"],
+    )
+    stages = result["stages"]
+    floor = sum(stages[k]["us"] for k in ("import", "bare jit", "export"))
+    torch_overhead = calls["torch"]["scaler"]["us"] - calls["bare"]["step"]["us"]
+    out += [
+        "",
+        "## Stage timers inside the facade, in the loop (median us per call)",
+        "",
+        "Timed in a second interleaved pass. `bare jit`: a jitted `sum(x * x)` of the first "
+        "imported array (one input, one output) at the core's place, on alternate iterations: "
+        "any call into XLA at that point of the loop. The floor of a design that decides in XLA "
+        f"(import + bare jit + export): {_num(floor)} us, against torch's whole scaler overhead "
+        f"of {_num(torch_overhead)} us (its scaler calls minus the bare optimizer step, from the "
+        "call timers).",
+        "",
+    ]
+    out += _table(
+        ["stage", "us", "us / tensor"],
+        [
+            [stage, _num(stages[stage]["us"]), _num(stages[stage]["us_per_tensor"])]
+            for stage in STAGES
+        ],
+        ["l", "r", "r"],
     )
     out += [
         "",

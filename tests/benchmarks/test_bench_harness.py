@@ -537,6 +537,11 @@ def test_host_profile_breaks_the_time_down(tmp_path: Path, one_torch_thread: Non
     for phases in calls.values():
         for cell in phases.values():
             assert cell["us"] >= 0 and math.isclose(cell["us_per_tensor"], cell["us"] / 4)
+    stages = result["stages"]
+    assert list(stages) == list(host_profile.STAGES)
+    # every stage ran and was timed, but the multiply (JSON null):
+    assert all(cell["us"] > 0 for stage, cell in stages.items() if stage != "multiply")
+    assert stages["multiply"]["us"] is None  # AdamW fused (the default) unscales in its kernel
     profile = result["profile"]
     assert profile["iterations"] == 2 and profile["total_us_per_iteration"] > 0
     assert 0 < len(profile["by_self"]) <= 5 and 0 < len(profile["by_cumulative"]) <= 5
@@ -546,6 +551,7 @@ def test_host_profile_breaks_the_time_down(tmp_path: Path, one_torch_thread: Non
     text = (tmp_path / host_profile.MARKDOWN_NAME).read_text()
     assert text.startswith("# Host profile: 4 one-element gradients, AdamW fused")
     assert "| scaler |" in text and "Self time by package (built-ins charged" in text
+    assert "| bare jit |" in text and "The floor of a design that decides in XLA" in text
 
 
 def test_time_calls_with_unscale(one_torch_thread: None) -> None:
