@@ -227,23 +227,28 @@ class Runner:
     """One scaler's jitted train step with its carry (parameters, optimizer state, scaler).
 
     ``step(batch)`` runs one step and waits for it; the accessors read the current state for
-    the behaviour checks. ``traces`` counts how often the step function was traced.
+    the behaviour checks. ``traces`` counts how often the step function was traced. By
+    default the carry is a tuple ``(params, opt_state, ...)`` that ``_step(*carry, batch)``
+    maps to the next one; runners whose step is shaped otherwise override these.
     """
 
     def __init__(self) -> None:
         self.traces = 0
+        self.carry: Any = ()
+        self._step: Callable[..., Any] = lambda *args: args[:-1]
 
     def step(self, batch: Any) -> None:
         """One train step on ``batch``, finished when it returns."""
-        raise NotImplementedError
+        self.carry = self._step(*self.carry, batch)
+        _block(self.carry)
 
     def params(self) -> Params:
         """The current parameters."""
-        raise NotImplementedError
+        return self.carry[0]
 
     def opt_state(self) -> Any:
         """The current inner (optax) optimizer state."""
-        raise NotImplementedError
+        return self.carry[1]
 
     def scale(self) -> float:
         """The current loss scale."""
@@ -298,12 +303,6 @@ class _Plain(Runner):
         _block(out)
         self.carry = out[:2]
 
-    def params(self) -> Params:
-        return self.carry[0]
-
-    def opt_state(self) -> Any:
-        return self.carry[1]
-
     def scale(self) -> float:
         return 1.0
 
@@ -342,13 +341,6 @@ class _AmpCore(Runner):
             return optax.apply_updates(params, updates), opt_state
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
-
-    def step(self, batch: Any) -> None:
-        self.carry = self._step(*self.carry, batch)
-        _block(self.carry)
-
-    def params(self) -> Params:
-        return self.carry[0]
 
     def opt_state(self) -> Any:
         return self.carry[1].inner_state
@@ -395,16 +387,6 @@ class _Jmp(Runner):
             return params, opt_state, loss_scale
 
         self._step = jax.jit(step, donate_argnums=(0, 1, 2))
-
-    def step(self, batch: Any) -> None:
-        self.carry = self._step(*self.carry, batch)
-        _block(self.carry)
-
-    def params(self) -> Params:
-        return self.carry[0]
-
-    def opt_state(self) -> Any:
-        return self.carry[1]
 
     def scale(self) -> float:
         return float(self.carry[2].loss_scale)
@@ -501,12 +483,6 @@ class _Mpx(Runner):
     def step(self, batch: Any) -> None:
         self.carry = self._step(batch, *self.carry)
         _block(self.carry)
-
-    def params(self) -> Params:
-        return self.carry[0]
-
-    def opt_state(self) -> Any:
-        return self.carry[1]
 
     def scale(self) -> float:
         return float(self.carry[2].loss_scaling)
