@@ -173,9 +173,8 @@ def _unscaled_f32(grad: jax.Array, inv: jax.Array) -> jax.Array:
 
 
 def _fused_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
-    halves = [_unscaled_f32(g, inv) for g in leaves if g.dtype != jnp.float32]
-    singles = [_unscaled_f32(g, inv) for g in leaves if g.dtype == jnp.float32]
-    return _sum_of_squares(halves) + _sum_of_squares(singles)
+    # Off the CPU the multiply fuses into the reduction: the branch-free sum, as it is.
+    return sum_of_unscaled_squares(leaves, inv, branch_free=True)
 
 
 def _chained_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:

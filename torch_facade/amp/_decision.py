@@ -216,16 +216,6 @@ def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def groups_key(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[int, int], ...]:
-    """Identity and length of every param group's ``params`` list: what per-decision caches
-    check, so that ``add_param_group`` or a replaced ``params`` list looks again."""
-    return tuple(
-        (id(group["params"]), len(group["params"]))
-        for optimizer in optimizers
-        for group in optimizer.param_groups
-    )
-
-
 class Decider:
     """Takes one scaler's decisions.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torch_facade.amp._decision import Decision, groups_key
+from torch_facade.amp._decision import Decision
 
 
 class FusedSteps:
@@ -43,19 +43,19 @@ class FusedSteps:
         return self.has_state_for_gradients(optimizer, decision.params)
 
     def has_state_for_gradients(
-        self, optimizer: torch.optim.Optimizer, participants: Sequence[torch.Tensor] = ()
+        self, optimizer: torch.optim.Optimizer, participants: Sequence[torch.Tensor]
     ) -> bool:
         """Whether every parameter of ``optimizer`` with a gradient has optimizer state.
 
         Once every parameter (of the groups that keep state) has state, that is remembered while
-        the state dict stays the same object with as many entries, the param groups' ``params``
-        lists stay the same, and the decision's ``participants`` are the same list object (the
-        scaler makes a new one when any parameter of any known optimizer changed, by identity):
-        a step that creates state, ``load_state_dict``, ``add_param_group``, a replaced
-        ``params`` list or a parameter swapped inside one looks again.
+        the state dict stays the same object with as many entries and the decision's
+        ``participants`` are the same list object (the scaler makes a new one when any parameter
+        of any known optimizer changed, by identity): a step that creates state,
+        ``load_state_dict``, ``add_param_group``, a replaced ``params`` list holding other
+        parameters or a parameter swapped inside one looks again.
         """
         state = optimizer.state
-        key = (id(state), len(state), groups_key([optimizer]))
+        key = (id(state), len(state))
         cached = self._all_stateful.get(id(optimizer))
         if cached is not None and cached[0] == key and cached[1] is participants:
             return True

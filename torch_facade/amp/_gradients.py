@@ -67,21 +67,17 @@ class GradientRead:
     dtypes: frozenset[torch.dtype] | None = None
 
 
-def read(params: Iterable[torch.Tensor]) -> GradientRead:
-    """Collects the gradients of ``params`` (``None`` gradients are skipped) for one read.
+def _read(
+    params: Iterable[torch.Tensor],
+) -> tuple[GradientRead, list[torch.Tensor | None] | None]:
+    """Collects the gradients of ``params`` (``None`` gradients are skipped) for one read, and
+    returns them in parameter order (``None`` where absent) too when every one present is a
+    plain, non-empty, dense tensor of its own (see :class:`Structure`).
 
     Raises:
         ValueError: gradients on more than one device.
         TypeError: sparse gradients.
     """
-    return _read(params)[0]
-
-
-def _read(
-    params: Iterable[torch.Tensor],
-) -> tuple[GradientRead, list[torch.Tensor | None] | None]:
-    """:func:`read`, and the gradients in parameter order (``None`` where absent) when every
-    one present is a plain, non-empty, dense tensor of its own (see :class:`Structure`)."""
     sharded: list[torch.Tensor] = []
     replicated: list[torch.Tensor] = []
     covered: set[int] = set()
@@ -277,7 +273,7 @@ class Reader:
         self.full_reads = 0  # how many reads looked at every gradient (tests watch it)
 
     def read(self, params: Sequence[torch.Tensor]) -> GradientRead:
-        """The gradients of ``params`` for one decision (see :func:`read`).
+        """The gradients of ``params`` for one decision (see :func:`_read`).
 
         Raises:
             ValueError: gradients on more than one device.

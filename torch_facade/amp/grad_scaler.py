@@ -814,7 +814,7 @@ class GradScaler:
                 map(operator.is_, itertools.chain.from_iterable(lists), cached)
             ):
                 return cached
-        params = [p for o in self._optimizers for group in o.param_groups for p in group["params"]]
+        params = [p for o in self._optimizers for p in params_of(o)]
         seen = {id(p) for p in params}
         if len(seen) != len(params):
             raise ValueError(
