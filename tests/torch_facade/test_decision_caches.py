@@ -28,7 +28,7 @@ from facade_helpers import (
 from test_facade_compile_and_zero_copy import record_imports
 
 import torch_facade as cstorch
-from torch_facade.amp import _storage
+from torch_facade.amp import _bridge, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -248,6 +248,41 @@ def test_a_steady_loop_reads_through_the_remembered_structure(set_to_none):
         scaler.step(optimizer)
         scaler.update()
     assert _full_reads(scaler) == reads
+
+
+def test_small_gradients_cross_through_one_kept_buffer(monkeypatch):
+    """On the CPU the packed copy of the small gradients goes into one buffer kept with the
+    remembered structure and imported into JAX once: every steady decision reads that same
+    array, refilled with the iteration's gradients (the norm is a full read's, an inf skips)."""
+    model = TinyNet()  # every gradient small and float32: one pack
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+    reads = record_imports(monkeypatch)
+    imports = []
+    original = _bridge.import_tensors
+    monkeypatch.setattr(_bridge, "import_tensors", lambda t: imports.append(t) or original(t))
+    kept = []
+    for step in range(3, 8):
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        expected = _fresh_norm(model, loss_of, step)
+        if step == 5:
+            model.fc2.bias.grad[-1] = INF
+        reads.clear()
+        scaler.unscale_(optimizer)
+        assert bool(scaler.get_isfinite()) is (step != 5)
+        if step != 5:
+            assert float(scaler.get_global_norm()) == expected
+        ((array,),) = reads
+        kept.append(array)
+        scaler.step(optimizer)
+        scaler.update()
+    assert all(array is kept[0] for array in kept)
+    imported_by_the_scaler = [
+        t for t in imports if t and t[0].data_ptr() == kept[0].unsafe_buffer_pointer()
+    ]
+    assert imported_by_the_scaler == []  # imported before (at the first read through it)
 
 
 @pytest.mark.parametrize("poisoned", ["swapped_in", "swapped_out"])

@@ -98,16 +98,20 @@ def test_a_new_gradient_structure_compiles_once_more():
 
 
 def record_imports(monkeypatch) -> list[list[jax.Array]]:
-    """The arrays of every ``_bridge.import_tensors`` call from now on, one list per call."""
+    """The gradient arrays the jitted core reads, one list per decision from now on."""
     imported: list[list[jax.Array]] = []
-    original = _bridge.import_tensors
+    original = _bridge.local_core
 
-    def recording(tensors):
-        arrays = original(tensors)
-        imported.append(list(arrays))
-        return arrays
+    def recording_core(*config):
+        core = original(*config)
 
-    monkeypatch.setattr(_bridge, "import_tensors", recording)
+        def call(state, arrays, count):
+            imported.append(list(arrays))
+            return core(state, arrays, count)
+
+        return call
+
+    monkeypatch.setattr(_bridge, "local_core", recording_core)
     return imported
 
 
@@ -198,13 +202,14 @@ def test_small_gradients_cross_in_one_packed_copy_per_dtype(monkeypatch):
 def test_a_steady_step_crosses_dlpack_once(monkeypatch):
     """After warm-up, a step imports its gradients in one batch and exports one array.
 
-    The numbers torch needs come out of the core packed into one array, so the per-step cost
+    Here every gradient is small: they are read through one kept buffer per dtype, imported
+    once, so a steady step imports nothing at all. The numbers torch needs come out of the core packed into one array, so the per-step cost
     does not grow with the number of outputs.
     """
     model, half, optimizers, scaler = mixed_setup({"loss_scale": "dynamic", "init_scale": 2.0**8})
     for step in range(3):  # warm-up: builds the arena, compiles, creates Adam's state
         mixed_step(model, half, optimizers, scaler, step)
-    crossings = {"to_jax": 0, "to_torch": 0, "import_tensors": 0, "packed_scalars": 0}
+    crossings = {"to_jax": 0, "to_torch": 0, "import_tensors": 0, "exported_carry": 0}
     for name in crossings:
         original = getattr(_bridge, name)
 
@@ -225,8 +230,8 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
     assert crossings == {
         "to_jax": 0,
         "to_torch": 0,
-        "import_tensors": steps,
-        "packed_scalars": steps,
+        "import_tensors": 0,  # every gradient is small: read through kept packs, imported once
+        "exported_carry": steps,
     }
 
 
@@ -284,3 +289,63 @@ def test_the_cpu_crossing_is_the_private_one_here():
     """On this jaxlib both private CPU functions pass their self-check."""
     chosen = _bridge.crossing_for(torch.device("cpu"))
     assert chosen.name == "cpu" and chosen.host_is_device
+
+
+# ------------------------------------------------------------------- the carry between decisions
+
+
+def _extreme_state():
+    """Every field at a value a float32 conversion would change, or a flag at False."""
+    import numpy as np
+
+    import amp_core
+
+    values = amp_core.LossScaleState(
+        loss_scale=np.float32(2.0**-126 / 8),  # subnormal
+        non_clamped_scale=np.float32(3.4e38),
+        steps_since_rescale=np.int32(2**31 - 1),
+        overflows_since_rescale=np.int32(2**24 + 1),  # not a float32 integer
+        num_skipped_steps=np.int32(123_456_789),
+        isfinite=np.bool_(False),
+        global_norm=np.float32(1e-45),  # the smallest subnormal
+        overflows_at_min_scale=np.int32(7),
+    )
+    return amp_core.LossScaleState(*map(np.asarray, values))  # 0-d arrays, as init_on_host
+
+
+def test_a_packed_state_unpacks_to_the_same_bits():
+    """The carry packs every field by its bits (counters past 2**24, subnormals, a False flag),
+    so that unpacking gives the state back exactly, dtypes included."""
+    import numpy as np
+
+    state = _extreme_state()
+    carry = _bridge.Carry(state)
+    packed = carry.packed_on(torch.device("cpu"))
+    assert packed.shape == (_bridge.CARRY_SIZE,) and packed.dtype == jax.numpy.int32
+    back = _bridge.Carry(packed=packed, device=torch.device("cpu")).state
+    for name, want in zip(state._fields, state, strict=True):
+        got = np.asarray(getattr(back, name))
+        assert got.dtype == want.dtype, name
+        assert got.tobytes() == np.asarray(want).tobytes(), name
+
+
+def test_fields_read_from_torch_match_the_unpacked_state():
+    """``Carry.field`` reads each field from torch's view of the carry, no JAX call: the same
+    values and dtypes as the unpacked state."""
+    state = _extreme_state()
+    packed = _bridge.Carry(state).packed_on(torch.device("cpu"))
+    view = _bridge.exported_carry(packed, _bridge.crossing_for(torch.device("cpu")))
+    carry = _bridge.Carry(packed=packed, device=torch.device("cpu"), view=view)
+    for name in state._fields:
+        from_torch = carry.field(name)
+        from_jax = _bridge.to_torch(getattr(carry.state, name))
+        assert from_torch.dtype == from_jax.dtype, name
+        assert (
+            from_torch.view(-1).view(torch.uint8).tolist()
+            == from_jax.view(-1).view(torch.uint8).tolist()
+        ), name
+
+
+def test_a_carry_needs_a_state():
+    with pytest.raises(ValueError, match="needs a state"):
+        _bridge.Carry()

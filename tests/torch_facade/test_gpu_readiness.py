@@ -324,7 +324,7 @@ def primitives(jaxpr) -> set[str]:
 def test_the_accelerator_core_has_no_cond_and_the_cpu_core_keeps_its_one(clip):
     config = amp_core.DynamicLossScale(init_scale=2.0**8, max_gradient_norm=clip)
     grads = (jnp.ones((3, 4)), jnp.ones(5, jnp.float16), jnp.ones(2, jnp.bfloat16))
-    state = amp_core.init(config)
+    state = _bridge.Carry(amp_core.init(config)).packed_on(torch.device("cpu"))
 
     def traced(branch_free):
         step = functools.partial(_bridge._local_step, config, branch_free)
@@ -407,7 +407,7 @@ def test_the_forced_accelerator_path_reads_the_host_flag_once_per_non_fused_step
         scaler.scale(loss_of(model, step)).backward()
         scaler.step(optimizer)
         scaler.update()
-    assert reads == [8, 8, 8]  # the packed scalars, once per iteration
+    assert reads == [_bridge.CARRY_SIZE] * 3  # the core's packed result, once per iteration
 
 
 # ------------------------------------------------------------------------ crossings and lookup
@@ -551,13 +551,12 @@ def test_ranks_that_disagree_are_caught_at_the_first_host_read_on_an_accelerator
     first host read (a non-fused step, the stall check) still checks that the ranks agreed."""
     from torch_facade.amp import _decision
 
-    fields = _bridge.StepScalars._fields
-    values = torch.ones(len(fields))
-    values[fields.index("consistent")] = 0.0
-    values[fields.index("found_inf")] = 0.0
-    state = amp_core.init_on_host(amp_core.DynamicLossScale())
+    values = torch.ones(_bridge.CARRY_SIZE)
+    values[_bridge.scalar_index("consistent")] = 0.0
+    values[_bridge.scalar_index("found_inf")] = 0.0
+    carry = _bridge.Carry(amp_core.init_on_host(amp_core.DynamicLossScale()))
     decision = _decision.Decision(
-        None, None, None, {}, None, state, packed=values, host_is_device=False
+        None, None, None, {}, None, carry, packed=values, host_is_device=False
     )
     assert not decision.host_values_known()
     with pytest.raises(RuntimeError, match="ranks' GradScalers disagree"):

@@ -110,40 +110,144 @@ def host_state(leaves: Any) -> amp_core.LossScaleState:
     return amp_core.LossScaleState(*(cast(jax.Array, np.array(leaf)) for leaf in leaves))
 
 
-class FacadeStep(NamedTuple):
-    """The outputs of one decision, still as JAX arrays.
+class StepScalars(NamedTuple):
+    """The float32 numbers torch needs after a decision, in their order in a carry (after the
+    packed state, see :class:`Carry`); :func:`scalar_index` gives their positions."""
 
-    The float32 numbers torch needs every step are packed into ``scalars`` so that they cross
-    into torch with one DLPack export (see :class:`StepScalars`), not several. The step's flag
-    and norm are the next state's (amp_core records them there), not outputs of their own: each
-    output is an array to create on every call.
+    multiplier: float  # what this step's gradients are multiplied by
+    grad_scale: float  # ``1 / multiplier``, for fused optimizers
+    found_inf: float  # 1.0 on overflow, for fused optimizers
+    loss_scale: float  # the next state's loss scale
+    unscale: float  # ``1 / loss_scale`` of the state that scaled these gradients
+    overflows_at_min_scale: float  # the next state's stall counter
+    consistent: float  # 1.0 unless ranks disagreed on the loss scale (distributed)
+    clip_multiplier: float  # the multiplier for gradients unscaled already (GCC's clip)
+
+
+STATE_SIZE = len(amp_core.LossScaleState._fields)
+"""Entries of a carry that hold the packed state (one per state field, in field order)."""
+
+CARRY_SIZE = STATE_SIZE + len(StepScalars._fields)
+"""Entries of a carry: the packed state, then the step's scalars."""
+
+
+def scalar_index(name: str) -> int:
+    """Position of a :class:`StepScalars` field in a carry."""
+    return STATE_SIZE + StepScalars._fields.index(name)
+
+
+def state_index(name: str) -> int:
+    """Position of an :class:`amp_core.LossScaleState` field in a carry."""
+    return amp_core.LossScaleState._fields.index(name)
+
+
+def _pack(state: amp_core.LossScaleState, scalars: jax.Array) -> jax.Array:
+    """One int32 array: each state field (a float as its bits, a bool as 0/1), then
+    ``scalars`` (float32) as their bits. Bit casts, not conversions: every value comes back
+    exactly (counters beyond 2**24, denormal norms)."""
+    fields = [
+        jax.lax.bitcast_convert_type(leaf, jnp.int32)
+        if leaf.dtype == jnp.float32
+        else leaf.astype(jnp.int32)
+        for leaf in (jnp.asarray(leaf) for leaf in state)
+    ]
+    return jnp.concatenate([jnp.stack(fields), jax.lax.bitcast_convert_type(scalars, jnp.int32)])
+
+
+def _unpack(carry: jax.Array) -> amp_core.LossScaleState:
+    """The state packed at the front of ``carry`` (the inverse of :func:`_pack`)."""
+    floats = jax.lax.bitcast_convert_type(carry[:STATE_SIZE], jnp.float32)
+    leaves = []
+    for index, dtype in enumerate(_STATE_DTYPES):
+        if dtype == jnp.float32:
+            leaves.append(floats[index])
+        elif dtype == jnp.bool_:
+            leaves.append(carry[index] != 0)
+        else:
+            leaves.append(carry[index].astype(dtype))
+    return amp_core.LossScaleState(*leaves)
+
+
+_STATE_DTYPES = tuple(
+    jnp.dtype(leaf.dtype) for leaf in amp_core.init_on_host(amp_core.DynamicLossScale())
+)
+
+
+@functools.cache
+def _pack_core() -> Any:
+    return jax.jit(lambda state: _pack(state, jnp.zeros(len(StepScalars._fields), jnp.float32)))
+
+
+@functools.cache
+def _unpack_core() -> Any:
+    return jax.jit(_unpack)
+
+
+class Carry:
+    """The scaler state between decisions, as the jitted cores read and write it.
+
+    A decision's core takes the state packed into one int32 array (:data:`STATE_SIZE` entries,
+    then :data:`CARRY_SIZE` - :data:`STATE_SIZE` of scalars it ignores) and returns the next
+    state packed the same way, followed by the step's :class:`StepScalars`: one argument and one
+    result instead of a pytree of eight arrays each way. Each JAX array a call takes or makes
+    costs host time (the call checks it, creates it, later frees it), several microseconds
+    each when the call runs in a training loop's cold caches.
+
+    A carry holds a :class:`amp_core.LossScaleState`, or a packed array, or both; the other is
+    made when first asked for (unpacking is a jitted call, for checkpoints, accessors and the
+    rare recount, never on a steady iteration).
+
+    Args:
+        state: the state (on the host, or on ``device``'s JAX device).
+        packed: the packed state (a core's result, on ``device``'s JAX device).
+        device: the torch device whose JAX device ``state`` or ``packed`` is on (``None`` for
+            a state on the host).
+        view: torch's float32 view of ``packed`` (:func:`exported_carry`), if there is one:
+            :meth:`field` then reads from it.
     """
 
-    next_state: amp_core.LossScaleState
-    scalars: jax.Array  # float32[8], in the field order of StepScalars
+    def __init__(
+        self,
+        state: amp_core.LossScaleState | None = None,
+        packed: jax.Array | None = None,
+        device: torch.device | None = None,
+        view: torch.Tensor | None = None,
+    ) -> None:
+        if state is None and packed is None:
+            raise ValueError("a Carry needs a state or a packed state")
+        self._state = state
+        self._packed = packed
+        self.device = device
+        self._view = view
+
+    def field(self, name: str) -> torch.Tensor:
+        """One state field as a 0-d torch tensor of its dtype, over the carry's memory where it
+        can be (a new tensor for the bool ``isfinite``); no JAX call when torch views the carry.
+        """
+        view = self._view
+        if view is None:
+            return to_torch(getattr(self.state, name))
+        index = state_index(name)
+        dtype = _STATE_DTYPES[index]
+        if dtype == jnp.float32:
+            return view[index]
+        integer = view.view(torch.int32)[index]
+        return integer != 0 if dtype == jnp.bool_ else integer
 
     @property
-    def isfinite(self) -> jax.Array:
-        """Whether this step's gradients were finite (0-d bool)."""
-        return self.next_state.isfinite
+    def state(self) -> amp_core.LossScaleState:
+        """The state as a :class:`amp_core.LossScaleState` (unpacked once, when first asked)."""
+        if self._state is None:
+            self._state = _unpack_core()(self._packed)
+        return self._state
 
-    @property
-    def global_norm(self) -> jax.Array:
-        """The global L2 norm of this step's unscaled gradients (0-d float32)."""
-        return self.next_state.global_norm
-
-
-class StepScalars(NamedTuple):
-    """Torch views of :attr:`FacadeStep.scalars` (0-d float32 tensors, no copies)."""
-
-    multiplier: torch.Tensor  # what this step's gradients are multiplied by
-    grad_scale: torch.Tensor  # ``1 / multiplier``, for fused optimizers
-    found_inf: torch.Tensor  # 1.0 on overflow, for fused optimizers
-    loss_scale: torch.Tensor  # the next state's loss scale
-    unscale: torch.Tensor  # ``1 / loss_scale`` of the state that scaled these gradients
-    overflows_at_min_scale: torch.Tensor  # the next state's stall counter
-    consistent: torch.Tensor  # 1.0 unless ranks disagreed on the loss scale (distributed)
-    clip_multiplier: torch.Tensor  # the multiplier for gradients unscaled already (GCC's clip)
+    def packed_on(self, device: torch.device) -> jax.Array:
+        """The packed state on the JAX device matching ``device`` (packed and placed once)."""
+        if self._packed is None or self.device != device:
+            self._state = place_state(self.state, device)
+            self._packed = _pack_core()(self._state)
+            self.device = device
+        return self._packed
 
 
 def _finish(
@@ -152,7 +256,7 @@ def _finish(
     sum_of_squares: jax.Array,
     optimizer_steps: jax.Array,
     consistent: jax.Array,
-) -> FacadeStep:
+) -> jax.Array:
     result = amp_core.check_sum_and_update(
         config, state, sum_of_squares, optimizer_steps=optimizer_steps
     )
@@ -171,16 +275,17 @@ def _finish(
             clip,
         ]
     )
-    return FacadeStep(next_state, scalars)
+    return _pack(next_state, scalars)
 
 
 def _local_step(
     config: amp_core.LossScaleConfig,
     branch_free: bool,
-    state: amp_core.LossScaleState,
+    carry: jax.Array,
     grads: tuple[jax.Array, ...],
     optimizer_steps: jax.Array,
-) -> FacadeStep:
+) -> jax.Array:
+    state = _unpack(carry)
     inv = amp_core.inverse_scale(state)
     total = amp_core.sum_of_unscaled_squares(grads, inv, branch_free=branch_free)
     return _finish(config, state, total, optimizer_steps, jnp.asarray(True))
@@ -188,10 +293,11 @@ def _local_step(
 
 def _partials(
     branch_free: bool,
-    state: amp_core.LossScaleState,
+    carry: jax.Array,
     sharded: tuple[jax.Array, ...],
     replicated: tuple[jax.Array, ...],
 ) -> jax.Array:
+    state = _unpack(carry)
     inv = amp_core.inverse_scale(state)
     return jnp.stack(
         [
@@ -213,10 +319,11 @@ def _fingerprint(state: amp_core.LossScaleState) -> list[jax.Array]:
 
 def _distributed_step(
     config: amp_core.LossScaleConfig,
-    state: amp_core.LossScaleState,
+    carry: jax.Array,
     gathered: jax.Array,
     optimizer_steps: jax.Array,
-) -> FacadeStep:
+) -> jax.Array:
+    state = _unpack(carry)
     total = amp_core.combine_partials(gathered[:, :2])
     consistent = jnp.all(gathered[:, 2:] == jnp.stack(_fingerprint(state)))
     return _finish(config, state, total, optimizer_steps, consistent)
@@ -224,6 +331,9 @@ def _distributed_step(
 
 def local_core(config: amp_core.LossScaleConfig, branch_free: bool = False) -> Any:
     """One process: read the gradients, decide, update. Compiles once per gradient structure.
+
+    Called as ``core(carry, grads, optimizer_steps)``: the packed state (see :class:`Carry`),
+    the gradients' JAX views, the optimizer step count; returns the next carry.
 
     ``branch_free``: no ``lax.cond`` inside (accelerators, where XLA would evaluate its
     predicate on the host; see :func:`amp_core.sum_of_unscaled_squares`).
@@ -238,7 +348,7 @@ def _local_core(config: amp_core.LossScaleConfig, branch_free: bool) -> Any:
 
 def partials_core(branch_free: bool = False) -> Any:
     """A distributed job's local half: this rank's sharded and replicated sums, and the scale and
-    counters every rank must agree on (``float32[5]``)."""
+    counters every rank must agree on (``float32[5]``), from ``(carry, sharded, replicated)``."""
     return _partials_core(branch_free)
 
 
@@ -249,19 +359,21 @@ def _partials_core(branch_free: bool) -> Any:
 
 @functools.cache
 def distributed_core(config: amp_core.LossScaleConfig) -> Any:
-    """A distributed job's finish, from every rank's gathered partials (``float32[ranks, 5]``)."""
+    """A distributed job's finish, ``core(carry, gathered, optimizer_steps)``, from every rank's
+    gathered partials (``float32[ranks, 5]``); returns the next carry."""
     return jax.jit(functools.partial(_distributed_step, config))
 
 
-def packed_scalars(step: FacadeStep, crossing: _crossing.Crossing) -> torch.Tensor:
-    """Views the core call's packed scalars from torch (one DLPack export; ``float32[8]`` in
-    the field order of :class:`StepScalars`).
+def exported_carry(carry: jax.Array, crossing: _crossing.Crossing) -> torch.Tensor:
+    """Views a core's result from torch, as float32 (one DLPack export; ``float32[CARRY_SIZE]``:
+    its float entries, the :class:`StepScalars` among them, read as they are; its integer ones
+    are bits, not numbers).
 
     No host wait on an accelerator: torch's stream waits for JAX's result on the device, so
     every torch kernel queued afterwards (the multiply, the fused step, a reuse of the gradients'
     memory) comes after the core's read. On the CPU the export returns once the result exists.
     """
-    return _normal_tensor(crossing.export, step.scalars)
+    return _normal_tensor(lambda array: crossing.export(array).view(torch.float32), carry)
 
 
 @functools.cache

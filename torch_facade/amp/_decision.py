@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import torch
 
 import amp_core
@@ -35,9 +36,9 @@ _CPU = torch.device("cpu")
 class Decision:
     """One iteration's overflow decision, taken once over every known optimizer's gradients.
 
-    ``outputs`` are the jitted core's results and ``scalars`` torch's views of the numbers it
-    needs (both ``None`` for static scaling, which never checks); the flag and the norm stay JAX
-    arrays until something asks for them.
+    ``outputs`` is the jitted core's result, the next state packed with the step's scalars (a
+    :class:`~torch_facade.amp._bridge.Carry`'s array), and ``packed`` torch's float32 view of it
+    (both ``None`` for static scaling, which never checks); :meth:`scalar` views one number.
 
     Each optimizer's gradients go from scaled to unscaled (and clipped) in one multiply by
     ``full``; or, when ``unscale_`` comes first with DLS + GCC, in two, as in the reference:
@@ -54,11 +55,10 @@ class Decision:
     pending: dict[int, torch.Tensor]
     # Parameters (by id) whose gradients were read; None for static scaling, which reads none.
     covered: frozenset[int] | None
-    # The state that scaled this iteration's gradients (on the gradients' device).
-    state_before: amp_core.LossScaleState
-    outputs: _bridge.FacadeStep | None = None
-    scalars: _bridge.StepScalars | None = None
-    # The torch view of the packed scalars (one host read gives all of them).
+    # The state that scaled this iteration's gradients.
+    before: _bridge.Carry
+    outputs: jax.Array | None = None
+    # The torch view of ``outputs`` as float32 (one host read gives every number).
     packed: torch.Tensor | None = None
     # Optimizer steps the core counted on (the known optimizers at the decision).
     expected_steps: int = 0
@@ -90,12 +90,28 @@ class Decision:
 
         A copy: the flag the skip decision reads must not change if the caller's tensor does.
         """
-        if self.outputs is None:
+        if self.packed is None:
             return torch.tensor(True)
-        return _bridge.to_torch(self.outputs.isfinite).clone()
+        return self.packed[_FOUND_INF] == 0.0
+
+    def global_norm(self) -> torch.Tensor | None:
+        """The norm of this step's unscaled gradients, a new 0-d float32 tensor (no host
+        synchronisation); ``None`` for static scaling."""
+        return None if self.packed is None else self.packed[_NORM].clone()
+
+    def scalar(self, name: str) -> torch.Tensor:
+        """A torch view of one of the step's numbers (a :class:`_bridge.StepScalars` field)."""
+        assert self.packed is not None  # dynamic decisions only
+        return self.packed[_bridge.scalar_index(name)]
+
+    @property
+    def state_before(self) -> amp_core.LossScaleState:
+        """The state that scaled this iteration's gradients."""
+        return self.before.state
 
     def host_values(self) -> list[float] | None:
-        """The packed scalars as Python floats: one host read (a wait for the device on an
+        """The packed result as Python floats (the scalars at :func:`_bridge.scalar_index`; the
+        state's integer entries are bits, not numbers): one host read (a wait for the device on an
         accelerator), done at most once. ``None`` for static scaling.
 
         Raises:
@@ -184,9 +200,12 @@ class Decision:
         return float(_bridge.inverse_scale(self.state_before))
 
 
-_FOUND_INF = _bridge.StepScalars._fields.index("found_inf")
-_UNSCALE = _bridge.StepScalars._fields.index("unscale")
-_CONSISTENT = _bridge.StepScalars._fields.index("consistent")
+_FOUND_INF = _bridge.scalar_index("found_inf")
+_UNSCALE = _bridge.scalar_index("unscale")
+_MULTIPLIER = _bridge.scalar_index("multiplier")
+_CLIP = _bridge.scalar_index("clip_multiplier")
+_CONSISTENT = _bridge.scalar_index("consistent")
+_NORM = _bridge.state_index("global_norm")
 
 
 def multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
@@ -209,6 +228,26 @@ def _sole(
     if sum(len(group["params"]) for group in optimizer.param_groups) != len(params):
         return None
     return id(optimizer)
+
+
+def _imports(
+    units: tuple[torch.Tensor, ...], kept: tuple[_gradients.KeptPack | None, ...] | None
+) -> tuple[Any, ...]:
+    """JAX views of ``units``; a kept pack's (``kept``: see :class:`_gradients.GradientRead`)
+    is made once, then reused."""
+    if kept is None:
+        return _bridge.import_tensors(units)
+    fresh_units = [unit for unit, pack in zip(units, kept, strict=True) if pack is None]
+    fresh = iter(_bridge.import_tensors(fresh_units) if fresh_units else ())
+    arrays = []
+    for pack in kept:
+        if pack is None:
+            arrays.append(next(fresh))
+            continue
+        if pack.imported is None:
+            (pack.imported,) = _bridge.import_tensors([pack.buffer])
+        arrays.append(pack.imported)
+    return tuple(arrays)
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -235,7 +274,7 @@ class Decider:
 
     def static(
         self,
-        state: amp_core.LossScaleState,
+        carry: _bridge.Carry,
         params: Sequence[torch.Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
         identity: bool,
@@ -245,7 +284,8 @@ class Decider:
         Only the device of the gradients is looked at (static scaling reads no gradient).
         """
         if identity:
-            return Decision(None, None, None, {}, None, state)
+            return Decision(None, None, None, {}, None, carry)
+        state = carry.state
         device = _gradients.device_of(params) or _CPU
         cached = self._static
         if cached is None or cached[0] is not state or cached[1] != device:
@@ -254,31 +294,27 @@ class Decider:
             self._static = cached
         multiplier = cached[2]
         pending = {id(o): multiplier for o in optimizers}
-        return Decision(multiplier, multiplier, None, pending, None, state, device=device)
+        return Decision(multiplier, multiplier, None, pending, None, carry, device=device)
 
     def dynamic(
         self,
         config: amp_core.DynamicLossScale,
-        state: amp_core.LossScaleState,
+        carry: _bridge.Carry,
         params: Sequence[torch.Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
-        placed_for: torch.device | None,
     ) -> Decision:
         """Reads the gradients of ``params`` once and decides (DLS, DLS + GCC).
 
         Args:
             config: the configuration (with ``max_gradient_norm`` for a fused clip).
-            state: the scaler state; moved onto the gradients' device unless ``placed_for``
-                says it is there already.
+            carry: the scaler state (packed and moved onto the gradients' device, once).
             params: every participating parameter.
             optimizers: the known optimizers (each counts one optimizer step).
-            placed_for: the torch device whose JAX device ``state`` is known to be on.
         """
         grads = self.reader.read(params)
         self._check_meshes(grads)
-        device = grads.device or placed_for or _CPU
-        if device != placed_for:
-            state = _bridge.place_state(state, device)
+        device = grads.device or carry.device or _CPU
+        before = carry.packed_on(device)
         crossing = _bridge.crossing_for(device)
         branch_free = not crossing.host_is_device
         steps = len(optimizers)
@@ -287,29 +323,29 @@ class Decider:
             count = self._counts[(device, steps)] = _bridge.counter_on(device, steps)
         collective = _distributed.collective(self.process_group)
         if collective is None:
-            arrays = _bridge.import_tensors(grads.sharded + grads.replicated)
-            out = _bridge.local_core(config, branch_free)(state, arrays, count)
+            arrays = _imports(grads.sharded + grads.replicated, grads.kept)
+            out = _bridge.local_core(config, branch_free)(before, arrays, count)
             keep: tuple[Any, ...] = ()
         else:
             sharded = _bridge.import_tensors(grads.sharded)
-            replicated = _bridge.import_tensors(grads.replicated)
+            replicated = _imports(grads.replicated, grads.kept)
             partials = _bridge.to_torch(
-                _bridge.partials_core(branch_free)(state, sharded, replicated)
+                _bridge.partials_core(branch_free)(before, sharded, replicated)
             )
             gathered = collective.gather(partials)
-            out = _bridge.distributed_core(config)(state, _bridge.to_jax(gathered), count)
+            out = _bridge.distributed_core(config)(before, _bridge.to_jax(gathered), count)
             keep = (partials, gathered)
-        packed = _bridge.packed_scalars(out, crossing)  # the imports may go once this returns
-        scalars = _bridge.StepScalars(*packed.unbind())
+        packed = _bridge.exported_carry(out, crossing)  # the imports may go once this returns
+        full = packed[_MULTIPLIER]
+        clips = config.clips
         decision = Decision(
-            full=scalars.multiplier,
-            unscale=scalars.unscale,
-            clip=scalars.clip_multiplier if config.clips else None,
-            pending={id(o): scalars.multiplier for o in optimizers},
+            full=full,
+            unscale=packed[_UNSCALE] if clips else None,
+            clip=packed[_CLIP] if clips else None,
+            pending=dict.fromkeys(map(id, optimizers), full),
             covered=grads.covered,
-            state_before=state,
+            before=carry,
             outputs=out,
-            scalars=scalars,
             packed=packed,
             expected_steps=steps,
             device=device,

@@ -34,7 +34,7 @@ class FusedSteps:
         exists: a skipped first step would otherwise create zero state. And only for gradients
         still scaled or fully unscaled (not waiting for a GCC clip).
         """
-        if decision.scalars is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if decision.packed is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
             return False
         if decision.pending.get(id(optimizer), decision.full) is not decision.full:
             return False
@@ -82,15 +82,14 @@ class FusedSteps:
         kwargs: dict[str, Any],
     ) -> Any:
         """``optimizer.step(*args, **kwargs)`` with the decision's scale and overflow flag."""
-        assert decision.scalars is not None
         # Gradients still scaled are unscaled (and clipped) by the kernel; gradients already
         # unscaled by unscale_() only need the overflow flag.
         still_scaled = decision.pending.pop(id(optimizer), None) is not None
         if still_scaled:
             decision.to_kernel.add(id(optimizer))
-        grad_scale = decision.scalars.grad_scale if still_scaled else None
+        grad_scale = decision.scalar("grad_scale") if still_scaled else None
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = decision.scalars.found_inf  # type: ignore[attr-defined]
+        optimizer.found_inf = decision.scalar("found_inf")  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
         finally:

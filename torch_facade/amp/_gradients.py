@@ -22,12 +22,15 @@ remembers what a full read found about a structure that is simple to check (ever
 plain tensor of its own, not a view, not a DTensor) and reads the next iteration's gradients
 through it, checking per gradient only what is cheap to read and what the read depends on; any
 difference falls back to the full read, which then remembers the new structure
-(see :class:`Structure`).
+(see :class:`Structure`). On the CPU the packed copy of the small gradients then goes into the
+same buffer at every read (a :class:`KeptPack`), which crosses into JAX once instead of at every
+decision.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -56,6 +59,8 @@ class GradientRead:
             parameter order: the list to multiply in place, as :func:`local_tensors` would
             build it again (``None`` otherwise).
         dtypes: the dtypes of ``tensors`` (``None`` with them).
+        kept: for each of ``replicated``, the :class:`KeptPack` whose buffer it is, or ``None``
+            for a tensor to import now (``None`` altogether when no unit is a kept buffer).
     """
 
     sharded: tuple[torch.Tensor, ...]
@@ -65,6 +70,30 @@ class GradientRead:
     mesh_groups: tuple[Any, ...]
     tensors: list[torch.Tensor] | None = None
     dtypes: frozenset[torch.dtype] | None = None
+    kept: tuple[KeptPack | None, ...] | None = None
+
+
+class KeptPack:
+    """The flat copy of one dtype's small gradients, made into the same buffer at every read of a
+    remembered structure on the CPU, so that it crosses into JAX once, not at every decision.
+
+    The buffer is only ever written by :meth:`fill` (a copy of the same number of elements, so
+    it never moves) and only read by the decision's jitted core, which on the CPU has finished
+    reading it when the decision's scalars reach torch: the next read's copy comes after that.
+
+    Attributes:
+        buffer: the flat buffer (torch-owned, on the CPU).
+        imported: its JAX view, made by the first decision that reads it (``None`` before).
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.imported: Any = None
+
+    def fill(self, copy: torch.Tensor) -> torch.Tensor:
+        """Copies ``copy`` (flat, of the buffer's size and dtype) into the buffer; returns it."""
+        with torch.no_grad():
+            return self.buffer.copy_(copy)
 
 
 def _read(
@@ -164,6 +193,9 @@ class Structure:
         covered: ``id`` of every parameter with a gradient.
         small_gradient: ``_storage.SMALL_GRADIENT`` when it was remembered.
         dtype_set: the distinct ``dtypes``.
+        kept: per entry of ``packs``, its :class:`KeptPack` on the CPU (``None`` for a pack of
+            one gradient, read by itself, and on other devices, where the crossing orders each
+            import after torch's pending work on that tensor).
     """
 
     params: Sequence[torch.Tensor]
@@ -176,6 +208,7 @@ class Structure:
     covered: frozenset[int]
     small_gradient: int
     dtype_set: frozenset[torch.dtype]
+    kept: tuple[KeptPack | None, ...]
 
     @classmethod
     def of(
@@ -196,6 +229,7 @@ class Structure:
             else:
                 alone.append(i)
         dtypes = tuple(map(_DTYPE, present))
+        sizes = [(sum(present[i].numel() for i in indices), indices) for indices in packs.values()]
         return cls(
             params=params,
             types=tuple(map(type, grads)),
@@ -203,17 +237,19 @@ class Structure:
             dtypes=dtypes,
             alone=tuple(alone),
             packs=tuple(
-                (
-                    tuple(indices),
-                    sum(present[i].numel() for i in indices),
-                    all(present[i].dim() == 1 for i in indices),
-                )
-                for indices in packs.values()
+                (tuple(indices), numel, all(present[i].dim() == 1 for i in indices))
+                for numel, indices in sizes
             ),
             device=device,
             covered=covered,
             small_gradient=small,
             dtype_set=frozenset(dtypes),
+            kept=tuple(
+                KeptPack(numel, present[indices[0]].dtype, device)
+                if len(indices) > 1 and device.type == "cpu"
+                else None
+                for numel, indices in sizes
+            ),
         )
 
     def read(self, params: Sequence[torch.Tensor]) -> GradientRead | None:
@@ -232,7 +268,7 @@ class Structure:
             if grad._is_view() or not self._imports(grad):
                 return None
             units.append(_storage.in_memory_order(grad))
-        for indices, numel, one_dim in self.packs:
+        for (indices, numel, one_dim), kept in zip(self.packs, self.kept, strict=True):
             if len(indices) == 1:  # imported by itself, as the full read does
                 unit = present[indices[0]]
                 if not self._imports(unit):
@@ -248,10 +284,24 @@ class Structure:
                     return None
             if unit.numel() != numel:
                 return None
-            units.append(unit)
+            units.append(unit if kept is None else kept.fill(unit))
         return GradientRead(
-            (), tuple(units), self.covered, self.device, (), present, self.dtype_set
+            (),
+            tuple(units),
+            self.covered,
+            self.device,
+            (),
+            present,
+            self.dtype_set,
+            self.kept_units,
         )
+
+    @functools.cached_property
+    def kept_units(self) -> tuple[KeptPack | None, ...] | None:
+        """:attr:`GradientRead.kept` of a read through this structure."""
+        if not any(self.kept):
+            return None
+        return (None,) * len(self.alone) + self.kept
 
     def _imports(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is dense, non-empty and on the remembered device."""

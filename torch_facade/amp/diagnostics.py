@@ -227,5 +227,5 @@ class StallWatch:
             self.warned = True
 
 
-_FOUND_INF = _bridge.StepScalars._fields.index("found_inf")
-_STALL = _bridge.StepScalars._fields.index("overflows_at_min_scale")
+_FOUND_INF = _bridge.scalar_index("found_inf")
+_STALL = _bridge.scalar_index("overflows_at_min_scale")

@@ -211,26 +211,33 @@ class GradScaler:
     # ------------------------------------------------------------------ state
 
     def _set_state(
-        self,
-        state: amp_core.LossScaleState,
-        scalars: _bridge.StepScalars | None = None,
-        placed_for: torch.device | None = None,
+        self, state: amp_core.LossScaleState, placed_for: torch.device | None = None
     ) -> None:
-        """Adopts ``state``; ``scalars`` (from the core call that produced it) spare an export.
+        """Adopts ``state``.
 
-        ``placed_for``: the torch device whose JAX device ``state`` is known to be on (the
-        gradients' device of the decision that produced it, ``None`` for a state on the host),
-        so that the next decision on that device need not look.
+        ``placed_for``: the torch device whose JAX device ``state`` is on (``None`` for a state
+        on the host), so that the next decision on that device need not look.
         """
-        self._state = state
-        self._placed_for = placed_for
-        self._scale_t = (
-            _bridge.to_torch(state.loss_scale) if scalars is None else scalars.loss_scale
-        )
+        self._adopt(_bridge.Carry(state, device=placed_for), _bridge.to_torch(state.loss_scale))
+
+    def _adopt(self, carry: _bridge.Carry, scale: torch.Tensor) -> None:
+        """Adopts the state ``carry`` holds, whose loss scale ``scale`` views."""
+        self._carry = carry
+        self._scale_t = scale
         # Static scaling: the scale as a Python float (get_scale() returns it; compiled code
         # reads it without a host read). By exactly 1 it needs no arithmetic at all.
         self._static_scale = None if self._dynamic else float(self._scale_t)
         self._identity = self._static_scale == 1.0
+
+    @property
+    def _state(self) -> amp_core.LossScaleState:
+        """The scaler state (unpacked from the last decision's result when first asked for)."""
+        return self._carry.state
+
+    @property
+    def _placed_for(self) -> torch.device | None:
+        """The torch device whose JAX device the state is on (``None``: on the host)."""
+        return self._carry.device
 
     @property
     def config(self) -> amp_core.LossScaleConfig:
@@ -391,7 +398,7 @@ class GradScaler:
             >>> scaler.get_scale(), scaler.get_non_clamped_scale()  # ... and is clamped to 4
             (tensor(4.), tensor(2.))
         """
-        value = _bridge.to_torch(self._state.non_clamped_scale)
+        value = self._carry.field("non_clamped_scale")
         return value.clone() if self._dynamic else float(value)
 
     @host_side
@@ -412,7 +419,7 @@ class GradScaler:
             >>> scaler.get_num_skipped_steps()
             tensor(1)
         """
-        return _bridge.to_torch(self._state.num_skipped_steps).to(torch.int64)
+        return self._carry.field("num_skipped_steps").to(torch.int64)
 
     @host_side
     def get_isfinite(self) -> torch.Tensor:
@@ -435,7 +442,7 @@ class GradScaler:
         """
         if self._decision is not None:
             return self._decision.isfinite()
-        return _bridge.to_torch(self._state.isfinite).clone()
+        return self._carry.field("isfinite").clone()
 
     @host_side
     def get_global_norm(self) -> torch.Tensor:
@@ -454,9 +461,10 @@ class GradScaler:
             >>> scaler.get_global_norm()
             tensor(5.)
         """
-        if self._decision is not None and self._decision.outputs is not None:
-            return _bridge.to_torch(self._decision.outputs.global_norm).clone()
-        return _bridge.to_torch(self._state.global_norm).clone()
+        norm = None if self._decision is None else self._decision.global_norm()
+        if norm is not None:
+            return norm
+        return self._carry.field("global_norm").clone()
 
     # --------------------------------------------------------------- the loop
 
@@ -664,11 +672,11 @@ class GradScaler:
             return
         assert decision.outputs is not None
         stepped = sum(stage is _Stage.STEPPED for stage in self._stages.values())
-        state = decision.outputs.next_state
+        carry = _bridge.Carry(packed=decision.outputs, device=decision.device, view=decision.packed)
         if stepped == decision.expected_steps:
-            self._set_state(state, decision.scalars, placed_for=decision.device)
+            self._adopt(carry, carry.field("loss_scale"))
         else:  # an optimizer joined late, or one known optimizer did not step
-            state = _bridge.recount_skipped_steps(decision.state_before, state, stepped)
+            state = _bridge.recount_skipped_steps(decision.state_before, carry.state, stepped)
             self._set_state(state, placed_for=decision.device)
         decision.scale_updated = True
 
@@ -842,13 +850,9 @@ class GradScaler:
         if isinstance(config, amp_core.DynamicLossScale):
             if clip_norm is not None:
                 config = _with_clip_norm(config, clip_norm)
-            decision = self._decider.dynamic(
-                config, self._state, params, self._optimizers, self._placed_for
-            )
+            decision = self._decider.dynamic(config, self._carry, params, self._optimizers)
         else:  # static scaling never checks: apply every step
-            decision = self._decider.static(self._state, params, self._optimizers, self._identity)
-        if decision.state_before is not self._state:  # placed on the gradients' device
-            self._set_state(decision.state_before, placed_for=decision.device)
+            decision = self._decider.static(self._carry, params, self._optimizers, self._identity)
         self._decision = decision
         if self._dynamic:
             _cbfloat16_notice.check(self, params)
