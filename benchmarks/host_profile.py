@@ -5,13 +5,13 @@
 
 1. **Call timers**: the median host time of every call of an iteration (``zero_grad`` and the
    forward pass, ``scale``, ``backward``, ``unscale_`` with ``--unscale``, ``step``, ``update``)
-   for the bare loop, ``torch.amp.GradScaler`` and the facade, interleaved iteration by
-   iteration, in us per call and per tensor; these are the real costs.
+   for the bare loop, ``torch.amp.GradScaler`` and the facade, the loops taking turns in runs
+   of :data:`RUN` iterations, in us per call and per tensor; these are the real costs.
 2. **Stage timers inside the facade, in the loop**: the median time of each stage of the
    facade's decision and multiply (reading the gradients, the DLPack import, the jitted core
-   call, the export of its scalars, the in-place multiply), measured by wrapping them while the
-   three loops run interleaved as above; and, on alternate iterations in place of timing the
-   core, a bare jitted sum of squares of the same imported array (one input, one output): what
+   call, the export of its result, the in-place multiply), measured by wrapping them while the
+   three loops run as above; and, on alternate iterations in place of timing the
+   core, a bare jitted sum of squares of the core's first gradient array (one input, one output): what
    any call into XLA costs at that point of the loop, where caches are cold after the backward
    pass (several times a tight loop's cost). Import + bare call + export is the floor of any
    design that decides in XLA; the multiply is a kernel torch's own scaler runs too.
@@ -64,6 +64,11 @@ SCALER_CALLS = ("scale", "unscale_", "step", "update")
 
 VARIANTS = ("bare", "torch", "facade")
 """The loops timed (names of :class:`benchmarks.whole_bench.TrainLoop` variants)."""
+
+RUN = 10
+"""The loops take turns in runs of this many timed iterations, each run after one untimed
+iteration of its loop: every timed iteration follows one of its own loop's, as in training
+(see :class:`benchmarks.timing.Plan`)."""
 
 JSON_NAME = "host_profile.json"
 MARKDOWN_NAME = "host_profile.md"
@@ -128,9 +133,9 @@ def stage_timers(
 ) -> dict[str, float]:
     """Median seconds of each of :data:`STAGES` inside the facade's calls, in the loop.
 
-    The loops run interleaved iteration by iteration as in :func:`median_calls`, with the
-    facade's internal stages wrapped by timers (and restored afterwards). On even iterations the
-    core call is timed; on odd ones a bare jitted ``sum(x * x)`` of the first imported array is
+    The loops take turns in runs as in :func:`median_calls`, with the facade's internal stages
+    wrapped by timers (and restored afterwards). On even iterations the core call is timed; on
+    odd ones a bare jitted ``sum(x * x)`` of the core's first gradient array is
     timed just before it instead (so each is measured cold, not right after the other).
     """
     from unittest import mock
@@ -171,18 +176,20 @@ def stage_timers(
     patches = [
         mock.patch.object(_gradients.Reader, "read", timed("read", _gradients.Reader.read)),
         mock.patch.object(_bridge, "import_tensors", timed("import", _bridge.import_tensors)),
-        mock.patch.object(_bridge, "packed_scalars", timed("export", _bridge.packed_scalars)),
+        mock.patch.object(_bridge, "exported_carry", timed("export", _bridge.exported_carry)),
         mock.patch.object(_gradients, "multiply_", timed("multiply", _gradients.multiply_)),
         mock.patch.object(_bridge, "local_core", core_of),
     ]
     for patch in patches:
         patch.start()
     try:
-        for index in range(warmup + iters):
-            recording[0] = index >= warmup
-            iteration[0] = index
+        for start in range(0, warmup + iters, RUN):
             for loop in loops.values():
-                time_calls(loop, unscale)
+                time_calls(loop, unscale)  # untimed: follows the other loops' runs
+                for index in range(start, min(start + RUN, warmup + iters)):
+                    recording[0] = index >= warmup
+                    iteration[0] = index
+                    time_calls(loop, unscale)
     finally:
         for patch in patches:
             patch.stop()
@@ -192,7 +199,8 @@ def stage_timers(
 def median_calls(
     loops: dict[str, whole_bench.TrainLoop], iters: int, warmup: int, unscale: bool = False
 ) -> dict[str, dict[str, float]]:
-    """Median seconds per call of every loop, the loops interleaved iteration by iteration.
+    """Median seconds per call of every loop, the loops taking turns in runs of :data:`RUN`
+    iterations (each run after one untimed iteration of its loop).
 
     Returns:
         ``{variant: {phase: median seconds}}``, plus ``"scaler"``: the sum of the scaler calls'
@@ -205,10 +213,12 @@ def median_calls(
     gc.collect()
     gc.disable()
     try:
-        for _ in range(iters):
+        for start in range(0, iters, RUN):
             for name, loop in loops.items():
-                for phase, seconds in time_calls(loop, unscale).items():
-                    samples[name].setdefault(phase, []).append(seconds)
+                time_calls(loop, unscale)  # untimed: follows the other loops' runs
+                for _ in range(min(RUN, iters - start)):
+                    for phase, seconds in time_calls(loop, unscale).items():
+                        samples[name].setdefault(phase, []).append(seconds)
     finally:
         gc.enable()
     medians = {}
@@ -391,7 +401,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"{meta['date']}; torch {meta['torch']} ({meta['torch_threads']} threads), jax "
         f"{meta['jax']}, {meta['cpu_count']} CPUs; {meta['iterations']} iterations per loop "
-        f"after {meta['warmup']} of warm-up, loops interleaved.",
+        f"after {meta['warmup']} of warm-up, the loops taking turns in runs of {RUN}.",
         "",
         "## Call timers (median us per call; us per tensor in brackets)",
         "",
@@ -418,16 +428,21 @@ def markdown(result: dict[str, Any]) -> str:
         ["l", "r", "r", "r", "r"],
     )
     stages = result["stages"]
-    floor = sum(stages[k]["us"] for k in ("import", "bare jit", "export"))
+    # No import stage at all when every gradient is read through kept packs (imported once).
+    floor = sum(
+        stages[k]["us"] for k in ("import", "bare jit", "export") if math.isfinite(stages[k]["us"])
+    )
     torch_overhead = calls["torch"]["scaler"]["us"] - calls["bare"]["step"]["us"]
     out += [
         "",
         "## Stage timers inside the facade, in the loop (median us per call)",
         "",
-        "Timed in a second interleaved pass. `bare jit`: a jitted `sum(x * x)` of the first "
-        "imported array (one input, one output) at the core's place, on alternate iterations: "
-        "any call into XLA at that point of the loop. The floor of a design that decides in XLA "
-        f"(import + bare jit + export): {_num(floor)} us, against torch's whole scaler overhead "
+        "Timed in a second pass, the loops again taking turns in runs. `bare jit`: a jitted "
+        "`sum(x * x)` of the core's first gradient array (one input, one output) at the core's "
+        "place, on alternate iterations: any call into XLA at that point of the loop. `import`: "
+        "n/a when every gradient is small, read through buffers imported once. The floor of a "
+        "design that decides in XLA (import + bare jit + export): "
+        f"{_num(floor)} us, against torch's whole scaler overhead "
         f"of {_num(torch_overhead)} us (its scaler calls minus the bare optimizer step, from the "
         "call timers).",
         "",

@@ -55,6 +55,11 @@ DEFAULT_ROUNDS = 5
 HOST_ITERS = 100
 """Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
 
+HOST_RUN = 10
+"""The ``host`` section's loops take turns in runs of this many timed iterations (each run after
+one untimed iteration), so that each timed iteration follows one of its own loop's, as in
+training (see :class:`benchmarks.timing.Plan`)."""
+
 SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host")
 """The sections, in report order: whole iterations of the documented loop; the scaler alone on
 gradients refilled in place (with the bandwidth floor); whole iterations under DDP (2 ranks);
@@ -197,18 +202,23 @@ def whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]]
 
 
 def host_row(tensors: int, group: whole_bench.WholeGroup) -> dict[str, Any]:
-    """A host-cost row: the scaler pair without clipping, and each overhead per tensor in us."""
+    """A host-cost row: the scaler pair without clipping (whole iterations), and the headline:
+    each scaler's calls timed in place inside those iterations, minus the bare loop's
+    ``optimizer.step()``, their ratio, and each per tensor in us."""
     pair = _scaler_pair(group.timings, clip=False)
-    bare_r = group.timings["bare"].rounds
-    per_tensor = {}
+    bare_calls = group.timings["bare"].part_rounds
+    calls = {}
+    over = {}
     for name in ("torch", "facade"):
-        over = per_round(difference, group.timings[name].rounds, bare_r)
-        per_tensor[f"{name}_us_per_tensor"] = _stats([v * 1e6 / tensors for v in over])
+        over[name] = per_round(difference, group.timings[name].part_rounds, bare_calls)
+        calls[f"{name}_calls_overhead_ms"] = _stats(_ms(over[name]))
+        calls[f"{name}_us_per_tensor"] = _stats([v * 1e6 / tensors for v in over[name]])
     return {
         "tensors": tensors,
         "optimizer": group.optimizer,
         **pair,
-        **per_tensor,
+        **calls,
+        "calls_overhead_ratio": _stats(per_round(ratio, over["facade"], over["torch"])),
         "torch_skipped_steps": group.skipped_steps["torch"],
         "facade_skipped_steps": group.skipped_steps["facade"],
     }
@@ -348,6 +358,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "whole_clip_norm": whole_bench.CLIP_NORM,
         "whole_batch": whole_bench.BATCH,
         "host_tensors": list(options.host_tensors),
+        "host_run": HOST_RUN,
         "step_size": options.step_size,
         "time_unit": "seconds in cases; milliseconds in *_ms rows",
     }
@@ -580,7 +591,7 @@ class _Run:
             max_iters=self.options.iters or HOST_ITERS,
             fixed_iters=self.options.iters is not None,
             warmup=self.options.warmup,
-            by_call=True,
+            run=HOST_RUN,
         )
         for tensors in self.options.host_tensors:
             for optimizer in host_bench.OPTIMIZERS:

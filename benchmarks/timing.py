@@ -65,11 +65,14 @@ class Variant:
         name: unique within one interleaved group.
         step: the timed call; it must return only once its work is complete.
         refill: untimed preparation before every timed call (e.g. copying gradients back).
+        part: if given, read after every timed call: the seconds of a part of that call timed
+            in place by the step itself (e.g. a scaler's calls inside a whole iteration).
     """
 
     name: str
     step: Callable[[], Any]
     refill: Callable[[], Any] = lambda: None
+    part: Callable[[], float] | None = None
 
 
 @dataclasses.dataclass
@@ -108,10 +111,13 @@ class Timing:
         samples: every timed call, per round (seconds).
         compiles: XLA compilations during the timed rounds (must be 0).
         iters: timed calls per round.
+        part_rounds: per round, the median of :attr:`Variant.part` over the timed calls (empty
+            for a variant without one).
     """
 
     rounds: list[float] = dataclasses.field(default_factory=list)
     samples: list[list[float]] = dataclasses.field(default_factory=list)
+    part_rounds: list[float] = dataclasses.field(default_factory=list)
     compiles: int = 0
     iters: int = 0
 
@@ -197,14 +203,15 @@ def run_interleaved(
     iters: int,
     counter: CompileCounter,
     on_round: Callable[[], Any] = lambda: None,
-    by_call: bool = False,
+    run: int = 0,
 ) -> dict[str, Timing]:
     """Times the variants round by round, interleaved, in this process.
 
     Each round runs every variant ``iters`` times in a row (each call after its untimed refill),
-    or with ``by_call`` every variant once, ``iters`` times over; the variants' order rotates
-    from round to round so that none always follows the same one. Python's garbage collector is
-    paused while timing, as ``timeit`` does.
+    or with ``run`` in runs of ``run`` timed calls, each run after one untimed call of the same
+    variant, the variants taking turns run by run until each has made ``iters`` timed calls; the
+    variants' order rotates from round to round so that none always follows the same one.
+    Python's garbage collector is paused while timing, as ``timeit`` does.
 
     Args:
         variants: the variants, already warmed up.
@@ -212,7 +219,7 @@ def run_interleaved(
         iters: timed calls per variant and round.
         counter: a listening compile counter (compilations are attributed to variants).
         on_round: called after every round (progress).
-        by_call: interleave call by call (see :class:`Plan`).
+        run: interleave in runs of this many calls (see :class:`Plan`); 0: variant by variant.
 
     Returns:
         One :class:`Timing` per variant name.
@@ -222,17 +229,21 @@ def run_interleaved(
         shift = round_index % len(variants)
         order = list(variants[shift:]) + list(variants[:shift])
         samples: dict[str, list[float]] = {v.name: [] for v in order}
+        parts: dict[str, list[float]] = {v.name: [] for v in order}
         gc.collect()
         gc.disable()
         try:
-            blocks = [order] * iters if by_call else [[v] * iters for v in order]
-            for block in blocks:
-                for variant in block:
+            for variant, calls, untimed in _blocks(order, iters, run):
+                for call in range(untimed + calls):
                     before = counter.count
                     variant.refill()
                     start = time.perf_counter()
                     variant.step()
-                    samples[variant.name].append(time.perf_counter() - start)
+                    seconds = time.perf_counter() - start
+                    if call >= untimed:
+                        samples[variant.name].append(seconds)
+                        if variant.part is not None:
+                            parts[variant.name].append(variant.part())
                     timings[variant.name].compiles += counter.count - before
         finally:
             gc.enable()
@@ -240,8 +251,20 @@ def run_interleaved(
             timing = timings[variant.name]
             timing.samples.append(samples[variant.name])
             timing.rounds.append(statistics.median(samples[variant.name]))
+            if parts[variant.name]:
+                timing.part_rounds.append(statistics.median(parts[variant.name]))
         on_round()
     return timings
+
+
+def _blocks(order: Sequence[Variant], iters: int, run: int) -> list[tuple[Variant, int, int]]:
+    """One round's ``(variant, timed calls, untimed calls before them)``, in the order run."""
+    if run <= 0:
+        return [(variant, iters, 0) for variant in order]
+    blocks = []
+    for start in range(0, iters, run):
+        blocks += [(variant, min(run, iters - start), 1) for variant in order]
+    return blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,18 +277,25 @@ class Plan:
         warmup: untimed calls per variant after its first call (at least one is made, to size
             the rounds).
         fixed_iters: always use ``max_iters``.
-        by_call: interleave call by call within a round (every variant's first call, then
-            every variant's second, ...) instead of variant by variant: a drift of the machine's
-            speed over a round (tens of percent over a few hundred milliseconds on these
-            virtual machines) then reaches every variant alike. For steps of a millisecond or
-            two, where such a drift is larger than the differences measured.
+        run: interleave within a round in runs of this many timed calls per variant, each run
+            after one untimed call of the same variant, instead of variant by variant (0): a
+            drift of the machine's speed over a round (tens of percent over a few hundred
+            milliseconds on these virtual machines) then reaches every variant alike, while each
+            timed call still follows a call of its own variant, as in a training loop. For steps
+            of a millisecond or two, where such a drift is larger than the differences
+            measured. (Alternating call by call would put the other variants' iterations
+            between two of a variant's: their code and data evict its own from the caches,
+            which a training loop never sees. On the host-cost model two identical facade loops
+            measured that way, one right after torch's loop and one right after the other,
+            differed by 0.1-0.3x of torch's scaler overhead: the facade's iteration also runs
+            JAX, whose code and data the other loops do not touch.)
     """
 
     rounds: int
     max_iters: int
     warmup: int
     fixed_iters: bool = False
-    by_call: bool = False
+    run: int = 0
 
 
 def measure(
@@ -277,7 +307,7 @@ def measure(
     """Warms the variants up, picks the calls per round, and times them interleaved."""
     slowest = warm_up(variants, max(1, plan.warmup))
     iters = choose_iters(plan.max_iters, slowest, plan.fixed_iters)
-    return run_interleaved(variants, plan.rounds, iters, counter, on_round, plan.by_call)
+    return run_interleaved(variants, plan.rounds, iters, counter, on_round, plan.run)
 
 
 def measure_group(

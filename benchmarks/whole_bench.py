@@ -35,7 +35,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +186,9 @@ class TrainLoop:
             "facade+clip": self._facade,
             FLOOR: self._floor,
         }
+        # Host seconds of the last iteration's scaler calls (``scale``, and everything after
+        # ``backward``: for the bare loop ``optimizer.step()``), timed in place.
+        self.calls_seconds = 0.0
         iteration = steps[name]
         self.step: Callable[[], None] = (
             _synchronized(iteration, self.device) if self.device.type == "cuda" else iteration
@@ -201,30 +206,60 @@ class TrainLoop:
 
     def _bare(self) -> None:
         self.loss().backward()
+        start = time.perf_counter()
         self.optimizer.step()
+        self.calls_seconds = time.perf_counter() - start
+
+    def _scaled(self, scaler: Any, after_backward: Callable[[], None]) -> None:
+        """``scaler.scale(loss).backward()`` then ``after_backward()``, the scaler's calls timed."""
+        loss = self.loss()
+        start = time.perf_counter()
+        scaled = scaler.scale(loss)
+        scaled_at = time.perf_counter()
+        scaled.backward()
+        resumed = time.perf_counter()
+        after_backward()
+        self.calls_seconds = scaled_at - start + time.perf_counter() - resumed
 
     def _torch(self) -> None:
-        assert self.torch_scaler is not None
-        self.torch_scaler.scale(self.loss()).backward()
-        self.torch_scaler.step(self.optimizer)
-        self.torch_scaler.update()
+        scaler = self.torch_scaler
+        assert scaler is not None
+
+        def after_backward() -> None:
+            scaler.step(self.optimizer)
+            scaler.update()
+
+        self._scaled(scaler, after_backward)
 
     def _torch_clip(self) -> None:
-        assert self.torch_scaler is not None
-        self.torch_scaler.scale(self.loss()).backward()
-        self.torch_scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
-        self.torch_scaler.step(self.optimizer)
-        self.torch_scaler.update()
+        scaler = self.torch_scaler
+        assert scaler is not None
+
+        def after_backward() -> None:
+            scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
+            scaler.step(self.optimizer)
+            scaler.update()
+
+        self._scaled(scaler, after_backward)
 
     def _facade(self) -> None:  # with clipping, the scaler clips (max_gradient_norm)
-        assert self.facade is not None
-        self.facade.scale(self.loss()).backward()
-        self.facade.step(self.optimizer)
-        self.facade.update()
+        scaler = self.facade
+        assert scaler is not None
+
+        def after_backward() -> None:
+            scaler.step(self.optimizer)
+            scaler.update()
+
+        self._scaled(scaler, after_backward)
 
     def _floor(self) -> None:
         self.loss().backward()
+        start = time.perf_counter()
+        self._floor_calls()
+        self.calls_seconds = time.perf_counter() - start
+
+    def _floor_calls(self) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
         _sum_of_squares(_bridge.import_tensors(grads)).block_until_ready()
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
@@ -348,7 +383,8 @@ def run_group(
 
     def make(name: str) -> Variant:
         loops[name] = TrainLoop(name, optimizer, set_to_none, workload, wrap)
-        return Variant(name, loops[name].step)
+        loop = loops[name]
+        return Variant(name, loop.step, part=lambda: loop.calls_seconds)
 
     first, timings = measure_group(variants, make, plan, counter, on_round)
     skipped = {name: loop.skipped_steps() for name, loop in loops.items()}
