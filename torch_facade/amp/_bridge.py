@@ -206,6 +206,8 @@ class Carry:
             :meth:`field` then reads from it.
     """
 
+    __slots__ = ("_packed", "_state", "_view", "device")
+
     def __init__(
         self,
         state: amp_core.LossScaleState | None = None,

@@ -32,7 +32,7 @@ from torch_facade.amp import _bridge, _distributed, _gradients
 _CPU = torch.device("cpu")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Decision:
     """One iteration's overflow decision, taken once over every known optimizer's gradients.
 

@@ -45,7 +45,7 @@ _NONE = type(None)
 _PLAIN = frozenset((torch.Tensor, _NONE))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class GradientRead:
     """What one decision reads: the tensors to import, by kind.
 
@@ -91,9 +91,9 @@ class KeptPack:
         self.imported: Any = None
 
     def fill(self, copy: torch.Tensor) -> torch.Tensor:
-        """Copies ``copy`` (flat, of the buffer's size and dtype) into the buffer; returns it."""
-        with torch.no_grad():
-            return self.buffer.copy_(copy)
+        """Copies ``copy`` (flat, of the buffer's size and dtype, not requiring grad) into the
+        buffer; returns it."""
+        return self.buffer.copy_(copy)
 
 
 def _read(

@@ -579,7 +579,7 @@ class GradScaler:
         self._register(optimizer)
         if self._stages[optimizer] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        return self.step_if_finite(optimizer, *args, **kwargs)
+        return self._step_if_finite(optimizer, args, kwargs)
 
     @host_side
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -603,6 +603,12 @@ class GradScaler:
         """
         optimizer = _check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
+        return self._step_if_finite(optimizer, args, kwargs)
+
+    def _step_if_finite(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """:meth:`step_if_finite` for an optimizer checked and registered already."""
         self._require_scaled("step")
         just_read = self._decision is None
         decision = self._decide()
@@ -665,6 +671,10 @@ class GradScaler:
         """
         for optimizer in _optimizer_list(optimizers, "optimizers"):
             self._register(optimizer)
+        self._update_scale()
+
+    def _update_scale(self) -> None:
+        """:meth:`update_scale` once every optimizer it names is registered."""
         if not self._dynamic:
             return
         decision = self._decide()
@@ -707,13 +717,12 @@ class GradScaler:
         if new_scale is not None and _truthy(new_scale):
             raise ValueError("GradScaler.update() does not support providing a `new_scale`")
         if self._dynamic:
-            idle = all(stage is _Stage.READY for stage in self._stages.values())
-            if self._decision is None and idle:
+            if self._decision is None and all(s is _Stage.READY for s in self._stages.values()):
                 raise RuntimeError(
                     "update() was called without a step() or unscale_() since the last "
                     "update(): there is no overflow check to update the loss scale from"
                 )
-            self.update_scale(self._optimizers)
+            self._update_scale()
         if self._decision is not None:
             self._decision.read = None  # the gradients read must not outlive the iteration
         self._last_decision = self._decision
