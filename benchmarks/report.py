@@ -223,7 +223,10 @@ def _whole_section(results: dict[str, Any], number: int) -> list[str]:
         "and `found_inf`; no decision logic): the facade's overhead minus it is what its own "
         "decision costs; it is the same with or without clipping, which needs no other pass. "
         "Ratios: median [min, max] over rounds of the per-round ratio; other cells: "
-        f"medians in ms. Iterations per round: {_iters(results, 'whole')}.",
+        f"medians in ms. Iterations per round: {_iters(results, 'whole')}; where a round has "
+        f"{2 * results['meta'].get('whole_run', 0)} or more, the variants take turns in runs "
+        f"of {results['meta'].get('whole_run')} (each after an untimed iteration), else "
+        "variant by variant.",
         "",
         _overflow_note(rows),
         "",

@@ -55,6 +55,12 @@ DEFAULT_ROUNDS = 5
 HOST_ITERS = 100
 """Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
 
+WHOLE_RUN = 5
+"""The whole-iteration section's variants take turns in runs of this many timed iterations
+(each run after one untimed iteration) where a round holds at least two runs: the machine's
+speed drifts over a round, and each timed iteration then still follows one of its own loop's
+(see :class:`benchmarks.timing.Plan`)."""
+
 HOST_RUN = 10
 """The ``host`` section's loops take turns in runs of this many timed iterations (each run after
 one untimed iteration), so that each timed iteration follows one of its own loop's, as in
@@ -359,6 +365,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "whole_batch": whole_bench.BATCH,
         "host_tensors": list(options.host_tensors),
         "host_run": HOST_RUN,
+        "whole_run": WHOLE_RUN,
         "step_size": options.step_size,
         "time_unit": "seconds in cases; milliseconds in *_ms rows",
     }
@@ -443,6 +450,15 @@ class _Run:
             warmup=self.options.warmup,
         )
 
+    def whole_plan(self, spec: SizeSpec) -> Plan:
+        """:meth:`plan`, with the variants taking turns in runs of :data:`WHOLE_RUN` iterations
+        where a round has room for two runs (S and tiny; M's few long iterations stay variant
+        by variant)."""
+        plan = self.plan(spec)
+        if plan.max_iters < 2 * WHOLE_RUN:
+            return plan
+        return dataclasses.replace(plan, run=WHOLE_RUN)
+
     def add_cases(
         self,
         section: str,
@@ -499,7 +515,7 @@ class _Run:
             for set_to_none in whole_bench.SET_TO_NONE:
                 self.bar.set_description(f"{size}: whole {optimizer}, set_to_none={set_to_none}")
                 group = whole_bench.run_group(
-                    workload, optimizer, set_to_none, self.plan(spec), self.counter, self.tick
+                    workload, optimizer, set_to_none, self.whole_plan(spec), self.counter, self.tick
                 )
                 self.tick()
                 self.add_cases("whole", size, group.label, group.timings, group.first)
