@@ -285,6 +285,29 @@ def test_small_gradients_cross_through_one_kept_buffer(monkeypatch):
     assert imported_by_the_scaler == []  # imported before (at the first read through it)
 
 
+def test_a_kept_buffer_imported_as_a_copy_is_imported_at_every_read(monkeypatch):
+    """Should an import copy the kept buffer instead of viewing it, that copy is not kept (it
+    would never see later iterations' gradients): every decision still reads its own."""
+    original = _bridge.import_tensors
+    monkeypatch.setattr(_bridge, "import_tensors", lambda ts: original([t.clone() for t in ts]))
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+    for step in range(3, 6):
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        expected = _fresh_norm(model, loss_of, step)
+        if step == 4:
+            model.fc1.bias.grad[0] = INF
+        scaler.unscale_(optimizer)
+        assert bool(scaler.get_isfinite()) is (step != 4)
+        if step != 4:
+            assert float(scaler.get_global_norm()) == expected
+        scaler.step(optimizer)
+        scaler.update()
+
+
 @pytest.mark.parametrize("poisoned", ["swapped_in", "swapped_out"])
 def test_parameter_swapped_inside_its_params_list_takes_part(poisoned):
     """The same list object, the same length, one parameter replaced: the participants are

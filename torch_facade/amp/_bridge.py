@@ -1,8 +1,8 @@
 """Crossing between torch and JAX: DLPack conversion and the jitted cores the facade calls.
 
 The cores only read gradients (they stay torch-owned: XLA could not write into them anyway) and
-return a handful of scalars, so no large XLA output is ever allocated. Every number they return
-comes from ``amp_core``.
+return one small array, the next scaler state packed with a handful of scalars (:class:`Carry`),
+so no large XLA output is ever allocated. Every number they return comes from ``amp_core``.
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ class Carry:
     each when the call runs in a training loop's cold caches.
 
     A carry holds a :class:`amp_core.LossScaleState`, or a packed array, or both; the other is
-    made when first asked for (unpacking is a jitted call, for checkpoints, accessors and the
-    rare recount, never on a steady iteration).
+    made when first asked for (unpacking is a jitted call, for checkpoints, pickling and the
+    rare recount, never on a steady iteration; the accessors read torch's view instead).
 
     Args:
         state: the state (on the host, or on ``device``'s JAX device).

@@ -27,7 +27,7 @@ import jax
 import torch
 
 import amp_core
-from torch_facade.amp import _bridge, _distributed, _gradients
+from torch_facade.amp import _bridge, _crossing, _distributed, _gradients
 
 _CPU = torch.device("cpu")
 
@@ -234,7 +234,8 @@ def _imports(
     units: tuple[torch.Tensor, ...], kept: tuple[_gradients.KeptPack | None, ...] | None
 ) -> tuple[Any, ...]:
     """JAX views of ``units``; a kept pack's (``kept``: see :class:`_gradients.GradientRead`)
-    is made once, then reused."""
+    is made once, then reused (if the import copied the buffer instead, it is made anew at
+    every read, as any other unit's)."""
     if kept is None:
         return _bridge.import_tensors(units)
     fresh_units = [unit for unit, pack in zip(units, kept, strict=True) if pack is None]
@@ -244,9 +245,13 @@ def _imports(
         if pack is None:
             arrays.append(next(fresh))
             continue
-        if pack.imported is None:
-            (pack.imported,) = _bridge.import_tensors([pack.buffer])
-        arrays.append(pack.imported)
+        array = pack.imported
+        if array is None:
+            (array,) = _bridge.import_tensors([pack.buffer])
+            # Kept only if it views the buffer: a copy would never see the next reads' values.
+            if _crossing.address(array) == pack.buffer.data_ptr():
+                pack.imported = array
+        arrays.append(array)
     return tuple(arrays)
 
 
