@@ -37,7 +37,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -178,18 +177,12 @@ class TrainLoop:
         self.facade = _facade_scaler(name == "facade+clip") if name.startswith("facade") else None
         self._one = torch.ones((), device=self.device)  # the floor's grad_scale and multiplier
         self._zero = torch.zeros((), device=self.device)  # the floor's found_inf
-        steps = {
-            "bare": self._bare,
-            "torch": self._torch,
-            "torch+clip": self._torch_clip,
-            "facade": self._facade,
-            "facade+clip": self._facade,
-            FLOOR: self._floor,
-        }
+        self.torch_clips = name == "torch+clip"
+        steps = {"bare": self._bare, FLOOR: self._floor}
         # Host seconds of the last iteration's scaler calls (``scale``, and everything after
         # ``backward``: for the bare loop ``optimizer.step()``), timed in place.
         self.calls_seconds = 0.0
-        iteration = steps[name]
+        iteration = steps.get(name, self._scaled)
         self.step: Callable[[], None] = (
             _synchronized(iteration, self.device) if self.device.type == "cuda" else iteration
         )
@@ -210,56 +203,28 @@ class TrainLoop:
         self.optimizer.step()
         self.calls_seconds = time.perf_counter() - start
 
-    def _scaled(self, scaler: Any, after_backward: Callable[[], None]) -> None:
-        """``scaler.scale(loss).backward()`` then ``after_backward()``, the scaler's calls timed."""
+    def _scaled(self) -> None:
+        """The documented loop with the variant's scaler, its calls timed in place: with
+        ``torch+clip``, torch's ``unscale_`` and ``clip_grad_norm_`` before ``step`` (the
+        facade clips inside its decision, ``max_gradient_norm``)."""
+        scaler = self.scaler
+        assert scaler is not None
         loss = self.loss()
         start = time.perf_counter()
         scaled = scaler.scale(loss)
         scaled_at = time.perf_counter()
         scaled.backward()
         resumed = time.perf_counter()
-        after_backward()
-        self.calls_seconds = scaled_at - start + time.perf_counter() - resumed
-
-    def _torch(self) -> None:
-        scaler = self.torch_scaler
-        assert scaler is not None
-
-        def after_backward() -> None:
-            scaler.step(self.optimizer)
-            scaler.update()
-
-        self._scaled(scaler, after_backward)
-
-    def _torch_clip(self) -> None:
-        scaler = self.torch_scaler
-        assert scaler is not None
-
-        def after_backward() -> None:
+        if self.torch_clips:
             scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
-            scaler.step(self.optimizer)
-            scaler.update()
-
-        self._scaled(scaler, after_backward)
-
-    def _facade(self) -> None:  # with clipping, the scaler clips (max_gradient_norm)
-        scaler = self.facade
-        assert scaler is not None
-
-        def after_backward() -> None:
-            scaler.step(self.optimizer)
-            scaler.update()
-
-        self._scaled(scaler, after_backward)
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.calls_seconds = scaled_at - start + time.perf_counter() - resumed
 
     def _floor(self) -> None:
         self.loss().backward()
         start = time.perf_counter()
-        self._floor_calls()
-        self.calls_seconds = time.perf_counter() - start
-
-    def _floor_calls(self) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
         _sum_of_squares(_bridge.import_tensors(grads)).block_until_ready()
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
@@ -273,6 +238,7 @@ class TrainLoop:
         else:
             _gradients.multiply_(grads, self._one)
             self.optimizer.step()
+        self.calls_seconds = time.perf_counter() - start
 
     def skipped_steps(self) -> int:
         """Steps skipped for an overflow so far (0 for the bare loop).

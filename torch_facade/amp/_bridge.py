@@ -131,14 +131,18 @@ CARRY_SIZE = STATE_SIZE + len(StepScalars._fields)
 """Entries of a carry: the packed state, then the step's scalars."""
 
 
+_SCALAR_INDEX = {name: STATE_SIZE + i for i, name in enumerate(StepScalars._fields)}
+_STATE_INDEX = {name: i for i, name in enumerate(amp_core.LossScaleState._fields)}
+
+
 def scalar_index(name: str) -> int:
     """Position of a :class:`StepScalars` field in a carry."""
-    return STATE_SIZE + StepScalars._fields.index(name)
+    return _SCALAR_INDEX[name]
 
 
 def state_index(name: str) -> int:
     """Position of an :class:`amp_core.LossScaleState` field in a carry."""
-    return amp_core.LossScaleState._fields.index(name)
+    return _STATE_INDEX[name]
 
 
 def _pack(state: amp_core.LossScaleState, scalars: jax.Array) -> jax.Array:

@@ -75,9 +75,6 @@ def _with_clip_norm(config: amp_core.DynamicLossScale, norm: float) -> amp_core.
     return dataclasses.replace(config, max_gradient_norm=norm)
 
 
-_params = params_of  # the name optimizer_step imports
-
-
 class GradScaler:
     """Facilitates mixed precision training with static or dynamic loss scaling (DLS, DLS + GCC).
 
@@ -784,7 +781,7 @@ class GradScaler:
     def _register(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer in self._stages:
             return
-        params = _params(optimizer)
+        params = params_of(optimizer)
         if any(getattr(p, "_fsdp_flattened", False) for p in params):
             raise ValueError(
                 "GradScaler does not support FSDP1 (FullyShardedDataParallel) parameters: their "

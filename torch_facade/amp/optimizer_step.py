@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 import amp_core
+from torch_facade.amp._decision import params_of
 from torch_facade.amp._host_side import host_side
-from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list, _params
+from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list
 
 
 def _clip_value(value: Any, argument: str) -> float | None:
@@ -89,7 +90,7 @@ def optimizer_step(
         grad_scaler._register(opt)
 
     grad_scaler.scale(loss).backward()
-    params = [p for opt in optimizers for p in _params(opt)]
+    params = [p for opt in optimizers for p in params_of(opt)]
     fused_clip = (
         norm is not None
         and norm > 0
