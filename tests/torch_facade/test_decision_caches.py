@@ -434,6 +434,52 @@ def test_gradients_that_appear_or_vanish_change_what_is_read():
     assert all(torch.equal(a, b) for a, b in zip(frozen, model.fc2.parameters(), strict=True))
 
 
+class _Tagged(torch.Tensor):
+    """A tensor subclass that torch ops keep (default ``__torch_function__``), as a DTensor is."""
+
+
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_a_gradient_turned_into_a_subclass_is_read_fully(which):
+    """A gradient that becomes a tensor subclass after the structure was remembered (checked per
+    gradient by type only for those read by themselves; a packed copy shows it by its own type)
+    is read by the full read, whose decision it then is: an inf in it skips, and a finite one
+    gives the norm of a scaler that remembers nothing."""
+    model = TinyNet()
+    big = torch.nn.Linear(80, 64)  # a 5120-element weight: read by itself
+    optimizer = torch.optim.SGD([*model.parameters(), *big.parameters()], lr=0.0)
+    scaler = cstorch.amp.GradScaler(**DLS)
+
+    def loss(m, step):
+        return loss_of(m, step) + big(torch.ones(1, 80)).square().mean()
+
+    _warm(scaler, model, optimizer, loss=loss)
+    reads = _full_reads(scaler)
+
+    def tag(m, b):
+        param = m.fc1.bias if which == "small" else b.weight
+        param.grad = param.grad.as_subclass(_Tagged)
+        return param
+
+    def tag_and_poison(m):
+        tag(m, big).grad.view(-1)[-1] = INF
+
+    assert _decide(scaler, model, optimizer, 3, loss, tag_and_poison)[0] is False
+    assert _full_reads(scaler) == reads + 1
+
+    # The oracle: a new scaler (it remembers nothing) over copies, the same gradient tagged.
+    twin, twin_big = copy.deepcopy(model), copy.deepcopy(big)
+    fresh = cstorch.amp.GradScaler(**DLS)
+    fresh_optimizer = torch.optim.SGD([*twin.parameters(), *twin_big.parameters()], lr=0.0)
+    fresh.scale(loss_of(twin, 4) + twin_big(torch.ones(1, 80)).square().mean()).backward()
+    tag(twin, twin_big)
+    fresh.unscale_(fresh_optimizer)
+    expected = float(fresh.get_global_norm())
+
+    finite, norm = _decide(scaler, model, optimizer, 4, loss, lambda m: tag(m, big))
+    assert finite and norm == expected
+    assert _full_reads(scaler) == reads + 2
+
+
 @pytest.mark.parametrize("which", ["small", "large"])
 def test_a_gradient_turned_sparse_raises_the_clear_error(which):
     model = TinyNet()

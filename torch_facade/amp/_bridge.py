@@ -177,6 +177,16 @@ _STATE_DTYPES = tuple(
 )
 
 
+# Per state field: its position in a carry and how its entry reads ("float": as it is;
+# "int": its bits as an int32; "bool": those bits as 0/1).
+_FIELD_KINDS = {
+    name: (index, "float" if dtype == jnp.float32 else "bool" if dtype == jnp.bool_ else "int")
+    for index, (name, dtype) in enumerate(
+        zip(amp_core.LossScaleState._fields, _STATE_DTYPES, strict=True)
+    )
+}
+
+
 @functools.cache
 def _pack_core() -> Any:
     return jax.jit(lambda state: _pack(state, jnp.zeros(len(StepScalars._fields), jnp.float32)))
@@ -233,12 +243,11 @@ class Carry:
         view = self._view
         if view is None:
             return to_torch(getattr(self.state, name))
-        index = state_index(name)
-        dtype = _STATE_DTYPES[index]
-        if dtype == jnp.float32:
+        index, kind = _FIELD_KINDS[name]
+        if kind == "float":
             return view[index]
         integer = view.view(torch.int32)[index]
-        return integer != 0 if dtype == jnp.bool_ else integer
+        return integer != 0 if kind == "bool" else integer
 
     @property
     def state(self) -> amp_core.LossScaleState:
@@ -379,7 +388,10 @@ def exported_carry(carry: jax.Array, crossing: _crossing.Crossing) -> torch.Tens
     every torch kernel queued afterwards (the multiply, the fused step, a reuse of the gradients'
     memory) comes after the core's read. On the CPU the export returns once the result exists.
     """
-    return _normal_tensor(lambda array: crossing.export(array).view(torch.float32), carry)
+    if torch.is_inference_mode_enabled():  # see to_torch
+        with torch.inference_mode(False):
+            return crossing.export(carry).view(torch.float32)
+    return crossing.export(carry).view(torch.float32)
 
 
 @functools.cache

@@ -3,9 +3,10 @@
 ``jax.dlpack.from_dlpack`` spends most of its ~90 us per tensor on device lookups, stream handling
 and a ``jnp.asarray``; the call below it takes ~7 us with ``torch.utils.dlpack.to_dlpack``.
 ``torch.from_dlpack`` goes through ``__dlpack__``'s stream and version handling (about 10 us a call
-warm, 110 us right after a backward pass); jaxlib's export below it about 1.5 us. Both are private
-jaxlib functions, so each is used only if it passes its self-check on this jaxlib (same memory,
-same values); otherwise the public API is.
+warm, 110 us right after a backward pass); jaxlib's export below it about 1.5 us, and torch's
+``torch._C._from_dlpack`` takes the capsule (what ``torch.utils.dlpack.from_dlpack`` calls for a
+capsule, after its own checks). These are private functions, so the pair is used only if it passes
+its self-check on this jaxlib and torch (same memory, same values); otherwise the public API is.
 
 On the CPU the host is the device: an exported result is complete when torch sees it (jaxlib's
 export waits for it without a stream), and reading it costs nothing extra.
@@ -69,7 +70,7 @@ def exporter_or_none() -> Any:
         from jax._src.lib import _jax as jaxlib_ext
 
         to_capsule = jaxlib_ext.buffer_to_dlpack_managed_tensor
-        from_capsule = torch.utils.dlpack.from_dlpack
+        from_capsule = torch._C._from_dlpack  # what torch.utils.dlpack.from_dlpack calls
     except Exception:
         return None
 

@@ -18,8 +18,11 @@ except ImportError:  # pragma: no cover - torch built without distributed suppor
     dist = None  # type: ignore[assignment]
 
 
+_BUILT_WITH_DISTRIBUTED = dist is not None and dist.is_available()
+
+
 def _available() -> bool:
-    return dist is not None and dist.is_available() and dist.is_initialized()
+    return _BUILT_WITH_DISTRIBUTED and dist.is_initialized()
 
 
 class Collective:

@@ -45,7 +45,7 @@ _NONE = type(None)
 _PLAIN = frozenset((torch.Tensor, _NONE))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class GradientRead:
     """What one decision reads: the tensors to import, by kind.
 
@@ -61,6 +61,8 @@ class GradientRead:
         dtypes: the dtypes of ``tensors`` (``None`` with them).
         kept: for each of ``replicated``, the :class:`KeptPack` whose buffer it is, or ``None``
             for a tensor to import now (``None`` altogether when no unit is a kept buffer).
+        graph: whether any of ``tensors`` may require grad (gradients made with
+            ``create_graph=True``), so that multiplying them in place needs ``no_grad``.
     """
 
     sharded: tuple[torch.Tensor, ...]
@@ -71,14 +73,15 @@ class GradientRead:
     tensors: list[torch.Tensor] | None = None
     dtypes: frozenset[torch.dtype] | None = None
     kept: tuple[KeptPack | None, ...] | None = None
+    graph: bool = True
 
 
 class KeptPack:
     """The flat copy of one dtype's small gradients, made into the same buffer at every read of a
     remembered structure on the CPU, so that it crosses into JAX once, not at every decision.
 
-    The buffer is only ever written by :meth:`fill` (a copy of the same number of elements, so
-    it never moves) and only read by the decision's jitted core, which on the CPU has finished
+    The buffer is only ever written by :meth:`Structure.read` (``copy_`` of a flat copy of the
+    same number of elements, not requiring grad, so it never moves) and only read by the decision's jitted core, which on the CPU has finished
     reading it when the decision's scalars reach torch: the next read's copy comes after that.
 
     Attributes:
@@ -89,11 +92,6 @@ class KeptPack:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffer = torch.empty(numel, dtype=dtype, device=device)
         self.imported: Any = None
-
-    def fill(self, copy: torch.Tensor) -> torch.Tensor:
-        """Copies ``copy`` (flat, of the buffer's size and dtype, not requiring grad) into the
-        buffer; returns it."""
-        return self.buffer.copy_(copy)
 
 
 def _read(
@@ -168,8 +166,13 @@ class Structure:
 
     * the parameters: the same list object (the scaler rebuilds it whenever any parameter of
       any known optimizer is not the one it was, by identity);
-    * per gradient, in one pass each: its type (so ``None``, a DTensor or a subclass where a
-      plain tensor was, or the reverse, are seen) and its dtype (the core unscales in it);
+    * per gradient present, in one pass: its dtype (the core unscales in it), which ``None``
+      has not (a gradient that went away is seen); per gradient absent, that it still is;
+    * that the gradients are plain tensors: a large gradient (or a small one read by itself)
+      by its type; a packed copy by its own, since ``torch.cat`` gives a subclass's type for a
+      subclass (a DTensor where a plain tensor was) or refuses a mixture. Two passes over
+      every gradient (type, then dtype) cost about 30-60 us in a training loop at 148
+      gradients, where the caches are cold after the backward pass; one costs half;
     * per imported tensor (a large gradient or a packed copy): dense layout, the device, and
       the number of elements (a packed copy's: a resized small gradient changes it); a large
       gradient must still not be a view (it may now tile a bucket read whole);
@@ -183,8 +186,8 @@ class Structure:
 
     Attributes:
         params: the parameters whose gradients it describes.
-        types: ``type(param.grad)`` for each of ``params``.
         present: positions in ``params`` of the gradients present (``None``: all).
+        absent: positions in ``params`` of the gradients absent (``None``).
         dtypes: the dtype of each gradient present.
         alone: positions (among those present) of the gradients imported by themselves.
         packs: per dtype, positions of its small gradients, their total number of elements and
@@ -199,8 +202,8 @@ class Structure:
     """
 
     params: Sequence[torch.Tensor]
-    types: tuple[type, ...]
     present: tuple[int, ...] | None
+    absent: tuple[int, ...]
     dtypes: tuple[torch.dtype, ...]
     alone: tuple[int, ...]
     packs: tuple[tuple[tuple[int, ...], int, bool], ...]
@@ -232,8 +235,8 @@ class Structure:
         sizes = [(sum(present[i].numel() for i in indices), indices) for indices in packs.values()]
         return cls(
             params=params,
-            types=tuple(map(type, grads)),
             present=None if len(present) == len(grads) else _positions(grads),
+            absent=tuple(i for i, grad in enumerate(grads) if grad is None),
             dtypes=dtypes,
             alone=tuple(alone),
             packs=tuple(
@@ -257,34 +260,48 @@ class Structure:
         if params is not self.params or _storage.SMALL_GRADIENT != self.small_gradient:
             return None
         grads = list(map(_GRAD, params))
-        if tuple(map(type, grads)) != self.types:
-            return None
         present = grads if self.present is None else [grads[i] for i in self.present]
-        if tuple(map(_DTYPE, present)) != self.dtypes:
+        try:
+            if tuple(map(_DTYPE, present)) != self.dtypes:
+                return None
+        except AttributeError:  # None has no dtype: a gradient went away
             return None
+        for i in self.absent:
+            if grads[i] is not None:  # a gradient appeared
+                return None
         units = []
+        graph = False  # whether a gradient requires grad (create_graph=True)
         for i in self.alone:
             grad = present[i]
-            if grad._is_view() or not self._imports(grad):
+            if type(grad) is not torch.Tensor or grad._is_view() or not self._imports(grad):
                 return None
+            graph = graph or grad.requires_grad
             units.append(_storage.in_memory_order(grad))
         for (indices, numel, one_dim), kept in zip(self.packs, self.kept, strict=True):
             if len(indices) == 1:  # imported by itself, as the full read does
                 unit = present[indices[0]]
-                if not self._imports(unit):
+                if type(unit) is not torch.Tensor or not self._imports(unit):
                     return None
+                graph = graph or unit.requires_grad
                 unit = _storage.in_memory_order(unit)
             else:
                 group = present if len(indices) == len(present) else [present[i] for i in indices]
                 try:
-                    unit = _storage.concatenated(group, one_dim)
-                except RuntimeError:  # devices or dimensions changed: the full read decides
+                    unit = _storage.flat_copy(group, one_dim)
+                except Exception:  # devices, dimensions or kinds changed: the full read decides
                     return None
-                if not self._imports(unit):
+                if unit.requires_grad:
+                    graph = True
+                    unit = unit.detach()
+                if (
+                    type(unit) is not torch.Tensor  # a subclass among them (a DTensor)
+                    or unit.layout is not torch.strided
+                    or unit.device != self.device
+                ):
                     return None
             if unit.numel() != numel:
                 return None
-            units.append(unit if kept is None else kept.fill(unit))
+            units.append(unit if kept is None else kept.buffer.copy_(unit))
         return GradientRead(
             (),
             tuple(units),
@@ -294,6 +311,7 @@ class Structure:
             present,
             self.dtype_set,
             self.kept_units,
+            graph,
         )
 
     @functools.cached_property
@@ -359,6 +377,19 @@ def local_tensors(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [_dtensor.local_values(grad)[0] for grad in grads if grad is not None]
 
 
+def multiply_read_(read: GradientRead, multiplier: torch.Tensor) -> None:
+    """:func:`multiply_` for the gradients a decision just read (``read.tensors``), by a
+    multiplier on their device: their device and dtypes are known, and ``no_grad`` (several
+    microseconds a call) is entered only if one of them may require grad."""
+    tensors = read.tensors
+    assert tensors is not None and read.device is not None and read.dtypes is not None
+    if read.graph:
+        with torch.no_grad():
+            _multiply_kernel(tensors, multiplier, read.device, read.dtypes)
+    else:
+        _multiply_kernel(tensors, multiplier, read.device, read.dtypes)
+
+
 def multiply_(
     tensors: list[torch.Tensor],
     multiplier: torch.Tensor,
@@ -381,13 +412,22 @@ def multiply_(
         return
     device = tensors[0].device
     multiplier = on_device(multiplier, device)
+    if dtypes is None:
+        dtypes = frozenset(map(_DTYPE, tensors))
     with torch.no_grad():
-        if dtypes is None:
-            dtypes = frozenset(map(_DTYPE, tensors))
-        if device.type == "cpu" and dtypes <= _UNSCALE_DTYPES:
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, _scratch_flag(), multiplier)
-        else:
-            torch._foreach_mul_(tensors, multiplier)
+        _multiply_kernel(tensors, multiplier, device, dtypes)
+
+
+def _multiply_kernel(
+    tensors: list[torch.Tensor],
+    multiplier: torch.Tensor,
+    device: torch.device,
+    dtypes: frozenset[torch.dtype],
+) -> None:
+    if device.type == "cpu" and dtypes <= _UNSCALE_DTYPES:
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, _scratch_flag(), multiplier)
+    else:
+        torch._foreach_mul_(tensors, multiplier)
 
 
 _UNSCALE_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))

@@ -70,6 +70,9 @@ _SCALERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKe
 _MARKS: weakref.WeakKeyDictionary[Any, dict[int, tuple[weakref.ref, torch.Tensor]]] = (
     weakref.WeakKeyDictionary()
 )
+# Whether any tensor was ever marked in this process: until then ``settle`` (twice an
+# iteration) has nothing to look up.
+_EVER_MARKED = [False]
 
 
 def link(optimizer: torch.optim.Optimizer, scaler: GradScaler) -> None:
@@ -142,6 +145,7 @@ def update_if_finite(optimizer: torch.optim.Optimizer | None, tensor: torch.Tens
     with torch.no_grad():
         saved = tensor.detach().clone()
     _MARKS.setdefault(scaler, {})[id(tensor)] = (weakref.ref(tensor), saved)
+    _EVER_MARKED[0] = True
 
 
 def settle(scaler: GradScaler) -> None:
@@ -154,6 +158,8 @@ def settle(scaler: GradScaler) -> None:
         >>> from torch_facade.amp import conditional_update
         >>> conditional_update.settle(cstorch.amp.GradScaler(loss_scale="dynamic"))
     """
+    if not _EVER_MARKED[0]:
+        return
     marks = _MARKS.pop(scaler, None)
     if not marks:
         return

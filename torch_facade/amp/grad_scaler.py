@@ -678,7 +678,7 @@ class GradScaler:
         if decision.scale_updated:
             return
         assert decision.outputs is not None
-        stepped = sum(stage is _Stage.STEPPED for stage in self._stages.values())
+        stepped = list(self._stages.values()).count(_Stage.STEPPED)
         carry = _bridge.Carry(packed=decision.outputs, device=decision.device, view=decision.packed)
         if stepped == decision.expected_steps:
             self._adopt(carry, carry.field("loss_scale"))
