@@ -178,6 +178,10 @@ def stage_timers(
         mock.patch.object(_bridge, "import_tensors", timed("import", _bridge.import_tensors)),
         mock.patch.object(_bridge, "exported_carry", timed("export", _bridge.exported_carry)),
         mock.patch.object(_gradients, "multiply_", timed("multiply", _gradients.multiply_)),
+        # the gradients the decision just read (one optimizer holding them all)
+        mock.patch.object(
+            _gradients, "multiply_read_", timed("multiply", _gradients.multiply_read_)
+        ),
         mock.patch.object(_bridge, "local_core", core_of),
     ]
     for patch in patches:

@@ -555,6 +555,12 @@ def test_host_profile_breaks_the_time_down(tmp_path: Path, one_torch_thread: Non
     assert stages["import"]["us"] is None  # all small: read through a buffer imported once
     profile = result["profile"]
     assert profile["iterations"] == 2 and profile["total_us_per_iteration"] > 0
+    # SGD foreach: the facade multiplies the gradients its decision read, and that is timed
+    sgd = tmp_path / "sgd"
+    argv = ["--tensors", "4", "--iters", "2", "--warmup", "1", "--top", "5", "--out", str(sgd)]
+    assert host_profile.main([*argv, "--optimizer", "SGD foreach"]) == 0
+    sgd_stages = json.loads((sgd / host_profile.JSON_NAME).read_text())["stages"]
+    assert sgd_stages["multiply"]["us"] > 0
     assert 0 < len(profile["by_self"]) <= 5 and 0 < len(profile["by_cumulative"]) <= 5
     assert any("torch_facade" in e["function"] for e in profile["by_cumulative"])
     shares = [p["share"] for p in profile["by_package"]]
