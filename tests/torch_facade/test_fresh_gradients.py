@@ -342,3 +342,45 @@ def test_no_compilation_over_40_steps_alternating_set_to_none():
     assert events.count(COMPILE_EVENT) == 0, events
     assert events.count(TRACE_EVENT) == 0, events
     assert int(scaler.get_num_skipped_steps()) == 2 * sum(s % 5 == 3 for s in range(44))
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_gradients_that_require_grad_are_multiplied_outside_autograd(create_graph, monkeypatch):
+    """The gradients a decision just read are multiplied in place under ``no_grad`` exactly when
+    one of them requires grad (``create_graph=True``): the multiply is then not recorded in
+    their graph, and otherwise the ``no_grad`` context is not paid for."""
+    from torch_facade.amp import _gradients
+
+    reads = []
+    original = _gradients.multiply_read_
+    monkeypatch.setattr(
+        _gradients, "multiply_read_", lambda read, m: reads.append(read.graph) or original(read, m)
+    )
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    for step in range(4):  # the first two reads are full ones, the last two read a remembered one
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, step)).backward(create_graph=create_graph)
+        grad_fn = model.fc1.weight.grad.grad_fn
+        scaler.step(optimizer)
+        scaler.update()
+        assert model.fc1.weight.grad.grad_fn is grad_fn
+    assert reads[2:] == [create_graph] * 2  # (a full read always multiplies under no_grad)
+
+
+def test_the_multiply_of_a_read_under_no_grad_records_nothing():
+    """``torch._foreach_mul_`` (the multiply for dtypes the CPU loss-scaling kernel does not take,
+    and on other devices) would record itself in a gradient's graph; under ``no_grad`` it does
+    not, and the values are multiplied."""
+    from torch_facade.amp import _gradients
+
+    x = torch.ones(3, dtype=torch.complex64, requires_grad=True)
+    (grad,) = torch.autograd.grad((x * x).sum().real, x, create_graph=True)
+    grad_fn, expected = grad.grad_fn, grad.detach() * 0.5
+    read = _gradients.GradientRead(
+        (), (), frozenset(), grad.device, (), [grad], frozenset({grad.dtype}), None, True
+    )
+    _gradients.multiply_read_(read, torch.tensor(0.5))
+    assert grad.grad_fn is grad_fn
+    assert torch.equal(grad.detach(), expected)
