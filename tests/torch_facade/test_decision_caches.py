@@ -28,7 +28,7 @@ from facade_helpers import (
 from test_facade_compile_and_zero_copy import record_imports
 
 import torch_facade as cstorch
-from torch_facade.amp import _bridge, _storage
+from torch_facade.amp import _bridge, _gradients, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -285,6 +285,34 @@ def test_small_gradients_cross_through_one_kept_buffer(monkeypatch):
     assert imported_by_the_scaler == []  # imported before (at the first read through it)
 
 
+def test_packs_not_kept_are_copied_and_imported_at_every_read(monkeypatch):
+    """Off the CPU no pack is kept (``_gradients.keeps_packs``): the packed copy of the small
+    gradients is made and imported anew at every read through the remembered structure. Forced
+    here on the CPU: the decisions are a full read's (the norm of a scaler that remembers
+    nothing; an inf skips), and each reads a fresh copy."""
+    monkeypatch.setattr(_gradients, "keeps_packs", lambda device: False)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = cstorch.amp.GradScaler(**DLS)
+    _warm(scaler, model, optimizer)
+    full_reads = _full_reads(scaler)
+    reads = record_imports(monkeypatch)
+    for step in range(3, 7):
+        expected = _fresh_norm(model, loss_of, step)
+
+        def poison(m, step=step):
+            if step == 5:
+                m.fc2.bias.grad[-1] = INF
+
+        finite, norm = _decide(scaler, model, optimizer, step, poison=poison)
+        assert finite is (step != 5)
+        if finite:
+            assert norm == expected
+    assert _full_reads(scaler) == full_reads
+    arrays = [array for (array,) in reads]
+    assert len({a.unsafe_buffer_pointer() for a in arrays}) == len(arrays)  # a copy per read
+
+
 def test_a_kept_buffer_imported_as_a_copy_is_imported_at_every_read(monkeypatch):
     """Should an import copy the kept buffer instead of viewing it, that copy is not kept (it
     would never see later iterations' gradients): every decision still reads its own."""
@@ -434,6 +462,24 @@ def test_gradients_that_appear_or_vanish_change_what_is_read():
     assert all(torch.equal(a, b) for a, b in zip(frozen, model.fc2.parameters(), strict=True))
 
 
+def _warm_with_a_large_gradient(lr: float):
+    """TinyNet plus a layer whose 5120-element weight gradient is read by itself (the others are
+    packed), trained until the scaler remembers their structure.
+
+    Returns ``(model, big, optimizer, scaler, loss)``; ``loss(m, step, b=big)``.
+    """
+    model = TinyNet()
+    big = torch.nn.Linear(80, 64)
+    optimizer = torch.optim.SGD([*model.parameters(), *big.parameters()], lr=lr)
+    scaler = cstorch.amp.GradScaler(**DLS)
+
+    def loss(m, step, b=big):
+        return loss_of(m, step) + b(torch.ones(1, 80)).square().mean()
+
+    _warm(scaler, model, optimizer, loss=loss)
+    return model, big, optimizer, scaler, loss
+
+
 class _Tagged(torch.Tensor):
     """A tensor subclass that torch ops keep (default ``__torch_function__``), as a DTensor is."""
 
@@ -444,15 +490,7 @@ def test_a_gradient_turned_into_a_subclass_is_read_fully(which):
     gradient by type only for those read by themselves; a packed copy shows it by its own type)
     is read by the full read, whose decision it then is: an inf in it skips, and a finite one
     gives the norm of a scaler that remembers nothing."""
-    model = TinyNet()
-    big = torch.nn.Linear(80, 64)  # a 5120-element weight: read by itself
-    optimizer = torch.optim.SGD([*model.parameters(), *big.parameters()], lr=0.0)
-    scaler = cstorch.amp.GradScaler(**DLS)
-
-    def loss(m, step):
-        return loss_of(m, step) + big(torch.ones(1, 80)).square().mean()
-
-    _warm(scaler, model, optimizer, loss=loss)
+    model, big, optimizer, scaler, loss = _warm_with_a_large_gradient(lr=0.0)
     reads = _full_reads(scaler)
 
     def tag(m, b):
@@ -470,7 +508,7 @@ def test_a_gradient_turned_into_a_subclass_is_read_fully(which):
     twin, twin_big = copy.deepcopy(model), copy.deepcopy(big)
     fresh = cstorch.amp.GradScaler(**DLS)
     fresh_optimizer = torch.optim.SGD([*twin.parameters(), *twin_big.parameters()], lr=0.0)
-    fresh.scale(loss_of(twin, 4) + twin_big(torch.ones(1, 80)).square().mean()).backward()
+    fresh.scale(loss(twin, 4, twin_big)).backward()
     tag(twin, twin_big)
     fresh.unscale_(fresh_optimizer)
     expected = float(fresh.get_global_norm())
@@ -482,15 +520,7 @@ def test_a_gradient_turned_into_a_subclass_is_read_fully(which):
 
 @pytest.mark.parametrize("which", ["small", "large"])
 def test_a_gradient_turned_sparse_raises_the_clear_error(which):
-    model = TinyNet()
-    big = torch.nn.Linear(80, 64)  # a 5120-element weight: read by itself
-    optimizer = torch.optim.SGD([*model.parameters(), *big.parameters()], lr=0.1)
-    scaler = cstorch.amp.GradScaler(**DLS)
-
-    def loss(m, step):
-        return loss_of(m, step) + big(torch.ones(1, 80)).square().mean()
-
-    _warm(scaler, model, optimizer, loss=loss)
+    model, big, optimizer, scaler, loss = _warm_with_a_large_gradient(lr=0.1)
     optimizer.zero_grad()
     scaler.scale(loss(model, 3)).backward()
     param = model.fc1.bias if which == "small" else big.weight

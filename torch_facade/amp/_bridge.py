@@ -132,7 +132,6 @@ CARRY_SIZE = STATE_SIZE + len(StepScalars._fields)
 
 
 _SCALAR_INDEX = {name: STATE_SIZE + i for i, name in enumerate(StepScalars._fields)}
-_STATE_INDEX = {name: i for i, name in enumerate(amp_core.LossScaleState._fields)}
 
 
 def scalar_index(name: str) -> int:
@@ -142,7 +141,7 @@ def scalar_index(name: str) -> int:
 
 def state_index(name: str) -> int:
     """Position of an :class:`amp_core.LossScaleState` field in a carry."""
-    return _STATE_INDEX[name]
+    return _FIELD_KINDS[name][0]
 
 
 def _pack(state: amp_core.LossScaleState, scalars: jax.Array) -> jax.Array:

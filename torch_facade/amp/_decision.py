@@ -276,8 +276,6 @@ class Decider:
         self._counts: dict[tuple[torch.device, int], Any] = {}
         # Static scaling's multiplier on a device, for the state it was computed from.
         self._static: tuple[amp_core.LossScaleState, torch.device, torch.Tensor] | None = None
-        # The last answer of _sole, for the parameter list object and optimizers it was for.
-        self._sole: tuple[Sequence[torch.Tensor], tuple[int, ...], int | None] | None = None
 
     def static(
         self,
@@ -360,22 +358,11 @@ class Decider:
             params=params,
             keep=keep,
             read=grads,
-            sole=self._sole_of(optimizers, params),
+            sole=_sole(optimizers, params),
         )
         if collective is not None and crossing.host_is_device:
             decision.host_values()  # free here; checks that the ranks agreed
         return decision
-
-    def _sole_of(
-        self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
-    ) -> int | None:
-        """:func:`_sole`, remembered for the participants' list object (the scaler keeps the
-        same list while every parameter stays the one it was) and the same optimizers."""
-        ids = tuple(map(id, optimizers))
-        cached = self._sole
-        if cached is None or cached[0] is not params or cached[1] != ids:
-            cached = self._sole = (params, ids, _sole(optimizers, params))
-        return cached[2]
 
     def _check_meshes(self, grads: _gradients.GradientRead) -> None:
         for mesh_group in grads.mesh_groups:

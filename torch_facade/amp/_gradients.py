@@ -249,7 +249,7 @@ class Structure:
             dtype_set=frozenset(dtypes),
             kept=tuple(
                 KeptPack(numel, present[indices[0]].dtype, device)
-                if len(indices) > 1 and device.type == "cpu"
+                if len(indices) > 1 and keeps_packs(device)
                 else None
                 for numel, indices in sizes
             ),
@@ -293,11 +293,8 @@ class Structure:
                 if unit.requires_grad:
                     graph = True
                     unit = unit.detach()
-                if (
-                    type(unit) is not torch.Tensor  # a subclass among them (a DTensor)
-                    or unit.layout is not torch.strided
-                    or unit.device != self.device
-                ):
+                # a subclass among them (a DTensor) gives its own type
+                if type(unit) is not torch.Tensor or not self._imports(unit):
                     return None
             if unit.numel() != numel:
                 return None
@@ -326,6 +323,13 @@ class Structure:
         return (
             tensor.layout is torch.strided and tensor.device == self.device and tensor.numel() > 0
         )
+
+
+def keeps_packs(device: torch.device) -> bool:
+    """Whether the packed copies of small gradients on ``device`` go into :class:`KeptPack`
+    buffers: on the CPU only (elsewhere the crossing orders each import after torch's pending
+    work on that tensor, so a copy is imported at every read)."""
+    return device.type == "cpu"
 
 
 def _positions(grads: list[torch.Tensor | None]) -> tuple[int, ...]:
