@@ -14,7 +14,14 @@ import importlib
 from typing import Any
 
 from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale, make_config
-from amp_core.diagnostics import LeafReport, nonfinite_report, scaler_metrics
+from amp_core.diagnostics import (
+    GradientRange,
+    LeafReport,
+    gradient_range_report,
+    gradient_range_totals,
+    nonfinite_report,
+    scaler_metrics,
+)
 from amp_core.scaling import (
     CLIP_EPSILON,
     GradCheck,
@@ -60,6 +67,7 @@ __all__ = [
     "CLIP_EPSILON",
     "DynamicLossScale",
     "GradCheck",
+    "GradientRange",
     "LeafReport",
     "LossScaleConfig",
     "LossScaleState",
@@ -77,6 +85,8 @@ __all__ = [
     "from_state_dict",
     "fused_optimizer_args",
     "global_norm_of_unscaled",
+    "gradient_range_report",
+    "gradient_range_totals",
     "init",
     "init_on_host",
     "inverse_scale",

@@ -1,10 +1,14 @@
-"""What a training loop logs and asks when steps are skipped: metrics and a per-leaf report.
+"""What a training loop logs and asks when steps are skipped: metrics and per-leaf reports.
 
-The report is computed only when asked (never on the hot path).
+The reports are computed only when asked (never on the hot path): :func:`nonfinite_report`
+(which gradients overflowed) and :func:`gradient_range_report` (how the gradients fit a half
+format's range at a loss scale: "is my loss scale right?").
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -13,6 +17,7 @@ import numpy as np
 
 from amp_core.scaling import apply_multiplier, sum_of_unscaled_squares
 from amp_core.transforms import loss_scale_state
+from hardware import FloatFormat, get_format
 
 METRIC_NAMES = ("loss_scale", "num_skipped_steps", "global_norm", "isfinite")
 """The keys of :func:`scaler_metrics`, in order (those of ``cstorch.amp.scaler_metrics``)."""
@@ -121,3 +126,181 @@ def scaler_metrics(source: Any, *, as_arrays: bool = False) -> dict[str, Any]:
         "global_norm": float(host["global_norm"]),
         "isfinite": bool(host["isfinite"]),
     }
+
+
+class GradientRange(NamedTuple):
+    """How one gradient leaf fits a half format at a loss scale (all 0-d arrays).
+
+    Every count is of elements of the leaf, the gradients taken as *unscaled* (true) values and
+    multiplied by the loss scale in float32 before they are rounded to the format, as a scaled
+    backward pass would hold them.
+
+    Attributes:
+        size: elements (int32).
+        zeros: elements that are zero already, before scaling (int32).
+        underflows: nonzero finite elements that round to zero: their information is lost
+            (int32).
+        subnormals: nonzero elements that round to a subnormal of the format: kept, with fewer
+            significant bits than the format's normal numbers (int32).
+        overflows: finite elements that round beyond the format's largest value (int32).
+        nonfinite: elements that are inf or NaN already (int32).
+        headroom: how many times the scale can still double before the largest finite element
+            overflows the format (float32, a whole number; negative when it overflows already,
+            ``inf`` when every element is zero or non-finite).
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> report = amp_core.gradient_range_report(jnp.array([1e-8, 1e-6, 3.0, 0.0]))
+        >>> int(report.underflows), int(report.subnormals), float(report.headroom)
+        (1, 1, 14.0)
+    """
+
+    size: jax.Array
+    zeros: jax.Array
+    underflows: jax.Array
+    subnormals: jax.Array
+    overflows: jax.Array
+    nonfinite: jax.Array
+    headroom: jax.Array
+
+
+def gradient_range_report(
+    grads: Any,
+    *,
+    half_dtype: Any = "float16",
+    loss_scale: Any = 1.0,
+) -> Any:
+    """Per leaf of ``grads``: how many elements underflow, lose precision or overflow in
+    ``half_dtype`` at ``loss_scale``, and how many doublings of headroom remain.
+
+    Answers "is my loss scale right?" before a run goes wrong: many ``underflows`` say the scale
+    is too low for the format (those gradient elements become zero in a half-precision backward
+    pass), a ``headroom`` near 0 says the next growth will overflow. Read-only, jittable, and
+    meant to be called now and then (every few hundred steps, or once on a float32 run before
+    choosing a format), not on every step: it reads every gradient element.
+
+    Args:
+        grads: a pytree of *unscaled* gradients (float32, or any floating dtype), e.g. from a
+            float32 backward pass or the unscaled gradients of a loss-scaled step.
+        half_dtype: the format to check against: ``"float16"``, ``"bfloat16"``, ``"cbfloat16"``
+            (the names :func:`hardware.get_format` accepts, a JAX dtype, or a
+            :class:`hardware.FloatFormat`).
+        loss_scale: the scale the gradients would be multiplied by: a positive number or 0-d
+            array, or any scaler state :func:`amp_core.loss_scale_state` reads (its current
+            ``loss_scale`` is used).
+
+    Returns:
+        A pytree of ``grads``' structure with a :class:`GradientRange` in place of every leaf
+        (non-floating leaves report ``size`` 0). :func:`gradient_range_totals` sums it.
+
+    Raises:
+        ValueError: ``half_dtype`` names no known format, or ``loss_scale`` is a number that is
+            not positive and finite.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> grads = {"w": jnp.array([2e-8, 1e-4, 0.5]), "b": jnp.array([7e4])}
+        >>> report = amp_core.gradient_range_report(grads, half_dtype="float16")
+        >>> int(report["w"].underflows), int(report["w"].subnormals), int(report["b"].overflows)
+        (1, 0, 1)
+        >>> scaled = amp_core.gradient_range_report(grads["w"], loss_scale=2.0**10)
+        >>> int(scaled.underflows), int(scaled.subnormals), float(scaled.headroom)
+        (0, 1, 6.0)
+    """
+    try:
+        fmt = get_format(half_dtype)
+    except ValueError as err:
+        raise ValueError(f"half_dtype: {err}") from None
+    scale = _scale_of(loss_scale)
+    return jax.tree_util.tree_map(lambda leaf: _leaf_range(jnp.asarray(leaf), scale, fmt), grads)
+
+
+def gradient_range_totals(report: Any) -> GradientRange:
+    """One :class:`GradientRange` for a whole :func:`gradient_range_report`: counts summed, the
+    smallest headroom.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> grads = {"w": jnp.array([1e-8, 0.5]), "b": jnp.array([1e-9, 4.0])}
+        >>> total = amp_core.gradient_range_totals(amp_core.gradient_range_report(grads))
+        >>> int(total.size), int(total.underflows), float(total.headroom)
+        (4, 2, 13.0)
+    """
+    leaves = jax.tree_util.tree_leaves(report, is_leaf=lambda x: isinstance(x, GradientRange))
+    if not leaves or not all(isinstance(leaf, GradientRange) for leaf in leaves):
+        raise TypeError(
+            "report must be the result of gradient_range_report (a pytree of GradientRange); "
+            f"got {type(report).__name__}"
+        )
+    counts = {
+        name: sum((getattr(leaf, name) for leaf in leaves), jnp.zeros((), jnp.int32))
+        for name in GradientRange._fields[:-1]
+    }
+    headroom = functools.reduce(jnp.minimum, (leaf.headroom for leaf in leaves))
+    return GradientRange(**counts, headroom=headroom)
+
+
+def _scale_of(loss_scale: Any) -> jax.Array:
+    """The loss scale as a float32 0-d array (from a number, an array or a scaler state)."""
+    if isinstance(loss_scale, (int, float, np.integer, np.floating)) and not isinstance(
+        loss_scale, bool
+    ):
+        if not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"loss_scale must be positive and finite; got {loss_scale!r}")
+        return jnp.float32(loss_scale)
+    if isinstance(loss_scale, (jax.Array, np.ndarray)):
+        if np.ndim(loss_scale) != 0:
+            raise ValueError(f"loss_scale must be 0-d; got shape {np.shape(loss_scale)}")
+        return jnp.asarray(loss_scale, jnp.float32)
+    try:
+        state = loss_scale_state(loss_scale)
+    except (ValueError, TypeError):
+        raise ValueError(
+            "loss_scale must be a positive number, a 0-d array or a loss-scaler state; got "
+            f"{type(loss_scale).__name__}"
+        ) from None
+    return jnp.asarray(state.loss_scale, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames="fmt")
+def _leaf_range(leaf: jax.Array, scale: jax.Array, fmt: FloatFormat) -> GradientRange:
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        zero = jnp.zeros((), jnp.int32)
+        return GradientRange(zero, zero, zero, zero, zero, zero, jnp.float32(jnp.inf))
+    finite = jnp.isfinite(leaf)
+    scaled = leaf.astype(jnp.float32) * scale
+    rounded = fmt.round(scaled)
+    nonzero = finite & (leaf != 0)
+
+    def count(mask: jax.Array) -> jax.Array:
+        return jnp.sum(mask, dtype=jnp.int32)
+
+    largest = jnp.max(jnp.where(finite, jnp.abs(scaled), 0.0), initial=0.0)
+    return GradientRange(
+        size=jnp.asarray(leaf.size, jnp.int32),
+        zeros=count(leaf == 0),
+        underflows=count(nonzero & (rounded == 0)),
+        subnormals=count(nonzero & (rounded != 0) & (jnp.abs(rounded) < fmt.min_normal)),
+        overflows=count(finite & ~jnp.isfinite(rounded)),
+        nonfinite=count(~finite),
+        headroom=_headroom(largest, fmt),
+    )
+
+
+def _headroom(largest: jax.Array, fmt: FloatFormat) -> jax.Array:
+    """The largest whole ``k`` with ``round(largest * 2**k)`` finite in ``fmt``, exactly.
+
+    A value rounds to a finite number of the format iff it is below the midpoint between the
+    largest value and the next power of two, ``(2 - 2**-(m+1)) * 2**emax`` (at the midpoint,
+    round-to-nearest-even goes up). With ``largest = f * 2**e``, ``f`` in ``[1, 2)``,
+    ``largest * 2**k`` is below it iff ``k < emax - e`` or ``k == emax - e`` and ``f`` is below
+    ``2 - 2**-(m+1)``.
+    """
+    mantissa, exponent = jnp.frexp(
+        largest
+    )  # largest = mantissa * 2**exponent, mantissa in [0.5, 1)
+    limit = 1.0 - math.ldexp(1.0, -(fmt.mantissa_bits + 2))  # the midpoint's mantissa, halved
+    k = (fmt.emax + 1 - exponent) - jnp.where(mantissa < limit, 0, 1)
+    k = k.astype(jnp.float32)
+    k = jnp.where(largest == 0, jnp.inf, k)
+    return jnp.where(jnp.isinf(largest), -jnp.inf, k)

@@ -28,12 +28,18 @@ from torch_facade.amp.casting import (
 )
 from torch_facade.amp.cbfloat16 import cast_to_cbfloat16, cbfloat16_numerics, round_to_cbfloat16
 from torch_facade.amp.conditional_update import isfinite, setup_optimizer, update_if_finite
-from torch_facade.amp.diagnostics import OverflowReport, scaler_metrics
+from torch_facade.amp.diagnostics import (
+    GradientRangeReport,
+    OverflowReport,
+    gradient_range_report,
+    scaler_metrics,
+)
 from torch_facade.amp.grad_scaler import GradScaler, LossScaleStalledError
 from torch_facade.amp.optimizer_step import optimizer_step
 
 __all__ = [
     "GradScaler",
+    "GradientRangeReport",
     "LossScaleStalledError",
     "OverflowReport",
     "autocast",
@@ -46,6 +52,7 @@ __all__ = [
     "get_floating_point_dtype_str",
     "get_half_dtype",
     "get_half_dtype_str",
+    "gradient_range_report",
     "half_function",
     "init",
     "is_cbfloat16_tensor",

@@ -1,17 +1,20 @@
-"""What a training loop logs and asks when steps are skipped: metrics and the overflow report."""
+"""What a training loop logs and asks when steps are skipped: metrics, the overflow report and
+the gradient-range report."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
 
 import jax
 import torch
 
 import amp_core
-from torch_facade.amp import _bridge, _caller, _dtensor, _storage
+from hardware import canonical_half_dtype
+from torch_facade.amp import _amp_state, _bridge, _caller, _dtensor, _storage
 from torch_facade.amp._decision import Decision
 from torch_facade.amp._host_side import host_side
 
@@ -229,3 +232,180 @@ class StallWatch:
 
 _FOUND_INF = _bridge.scalar_index("found_inf")
 _STALL = _bridge.scalar_index("overflows_at_min_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRangeReport:
+    """How a model's gradients fit a half dtype at a loss scale, per parameter and in total.
+
+    The numbers are :class:`amp_core.GradientRange`'s (Python ints, and a float headroom):
+    ``size``, ``zeros``, ``underflows`` (nonzero elements that round to zero), ``subnormals``
+    (elements that keep fewer significant bits), ``overflows``, ``nonfinite`` and ``headroom``
+    (doublings of the scale left before the largest element overflows).
+
+    Attributes:
+        parameters: per parameter name (``module.named_parameters()`` names, or
+            ``params[i]``), its :class:`amp_core.GradientRange`; parameters without a gradient
+            are left out.
+        total: the counts summed over every parameter, and the smallest headroom.
+        half_dtype: the format checked against.
+        loss_scale: the scale the gradients were multiplied by.
+
+    Example:
+        >>> import torch, torch_facade as cstorch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model.weight.grad = torch.tensor([[1e-8, 3.0]])
+        >>> model.bias.grad = torch.tensor([2e-5])
+        >>> report = cstorch.amp.gradient_range_report(model, half_dtype="float16")
+        >>> report.total.underflows, report.total.subnormals, report.total.headroom
+        (1, 1, 14.0)
+        >>> print(report)
+        float16 at loss scale 1: 1 of 3 elements underflow (33.3%), 1 subnormal, 0 overflow
+          weight: 1 of 2 underflow, 0 subnormal, 0 overflow, headroom 14
+          bias: 0 of 1 underflow, 1 subnormal, 0 overflow, headroom 31
+    """
+
+    parameters: dict[str, amp_core.GradientRange]
+    total: amp_core.GradientRange
+    half_dtype: str
+    loss_scale: float
+
+    @property
+    def underflow_fraction(self) -> float:
+        """The fraction of all gradient elements that underflow to zero (0 when there are none)."""
+        return self.total.underflows / self.total.size if self.total.size else 0.0
+
+    def __str__(self) -> str:
+        total = self.total
+        lines = [
+            f"{self.half_dtype} at loss scale {self.loss_scale:g}: {total.underflows} of "
+            f"{total.size} elements underflow ({100 * self.underflow_fraction:.1f}%), "
+            f"{total.subnormals} subnormal, {total.overflows} overflow"
+        ]
+        lines += [
+            f"  {name}: {leaf.underflows} of {leaf.size} underflow, {leaf.subnormals} subnormal, "
+            f"{leaf.overflows} overflow, headroom {leaf.headroom:g}"
+            for name, leaf in self.parameters.items()
+        ]
+        return "\n".join(lines)
+
+
+@host_side
+def gradient_range_report(
+    parameters: torch.nn.Module | Iterable[torch.Tensor],
+    *,
+    half_dtype: Any = None,
+    loss_scale: Any = 1.0,
+) -> GradientRangeReport:
+    """How the gradients of ``parameters`` fit ``half_dtype`` at ``loss_scale``: per parameter,
+    the elements that would underflow, lose precision or overflow, and the doublings of headroom.
+
+    It answers "is my loss scale right?" before a run goes wrong. The gradients are read as
+    *unscaled* (true) values: call it after ``grad_scaler.unscale_(optimizer)``, or on the
+    gradients of a float32 backward pass. They are multiplied by ``loss_scale`` in float32 and
+    rounded to the format by ``amp_core.gradient_range_report`` (the numbers all come from
+    there). It reads every gradient element and synchronises with the host: call it now and then,
+    not on every step.
+
+    Args:
+        parameters: a ``torch.nn.Module`` (its parameters, by name) or an iterable of tensors
+            (named ``params[i]``); those whose ``.grad`` is ``None`` are left out.
+        half_dtype: ``"float16"``, ``"bfloat16"``, ``"cbfloat16"``, ``torch.float16`` or
+            ``torch.bfloat16``; ``None`` uses the current ``cstorch.amp.get_half_dtype_str()``.
+        loss_scale: a positive number or 0-d tensor, or a :class:`GradScaler` (its current
+            scale).
+
+    Returns:
+        The :class:`GradientRangeReport`.
+
+    Raises:
+        TypeError: ``parameters`` is neither a module nor an iterable of tensors.
+        ValueError: ``half_dtype`` is not a half dtype, ``loss_scale`` is not positive and
+            finite, or no parameter has a gradient.
+
+    Example:
+        >>> import torch, torch_facade as cstorch
+        >>> model = torch.nn.Linear(4, 1)
+        >>> model(torch.full((1, 4), 1e-5)).sum().mul(1e-4).backward()  # weight gradients 1e-9
+        >>> cstorch.amp.gradient_range_report(model, half_dtype="float16").total.underflows
+        4
+        >>> cstorch.amp.gradient_range_report(model, loss_scale=2.0**15).total.underflows
+        0
+    """
+    named = _named_gradients(parameters)
+    dtype = canonical_half_dtype(
+        _amp_state.get_half_dtype_str() if half_dtype is None else half_dtype,
+        argument="half_dtype",
+    )
+    scale = _loss_scale_value(loss_scale)
+    arrays = list(_bridge.import_tensors(list(named.values())))
+    leaves = _range_core(dtype)(arrays, scale)
+    leaves, total = jax.device_get((leaves, amp_core.gradient_range_totals(leaves)))
+    return GradientRangeReport(
+        parameters={name: _as_python(leaf) for name, leaf in zip(named, leaves, strict=True)},
+        total=_as_python(total),
+        half_dtype=dtype,
+        loss_scale=scale,
+    )
+
+
+@functools.cache
+def _range_core(half_dtype: str) -> Callable[[list[jax.Array], float], Any]:
+    return jax.jit(
+        functools.partial(_gradient_ranges, half_dtype=half_dtype),
+    )
+
+
+def _gradient_ranges(grads: list[jax.Array], scale: jax.Array, *, half_dtype: str) -> Any:
+    return amp_core.gradient_range_report(grads, half_dtype=half_dtype, loss_scale=scale)
+
+
+def _named_gradients(parameters: Any) -> dict[str, torch.Tensor]:
+    if isinstance(parameters, torch.nn.Module):
+        pairs = list(parameters.named_parameters())
+    elif isinstance(parameters, Iterable) and not isinstance(parameters, (str, torch.Tensor)):
+        pairs = [(f"params[{i}]", p) for i, p in enumerate(parameters)]
+        for name, p in pairs:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"parameters must be a torch.nn.Module or an iterable of tensors; {name} "
+                    f"is {type(p).__name__}"
+                )
+    else:
+        raise TypeError(
+            "parameters must be a torch.nn.Module or an iterable of tensors; got "
+            f"{type(parameters).__name__}"
+        )
+    named = {
+        name: _storage.in_memory_order(_dtensor.local_values(p.grad)[0])
+        for name, p in pairs
+        if p.grad is not None
+    }
+    if not named:
+        raise ValueError(
+            "parameters: no parameter has a gradient (.grad is None for all "
+            f"{len(pairs)}); call it after backward()"
+        )
+    return named
+
+
+def _loss_scale_value(loss_scale: Any) -> float:
+    if hasattr(loss_scale, "get_scale"):
+        loss_scale = loss_scale.get_scale()
+    if isinstance(loss_scale, torch.Tensor):
+        if loss_scale.numel() != 1:
+            raise ValueError(f"loss_scale must be 0-d; got shape {tuple(loss_scale.shape)}")
+        loss_scale = loss_scale.item()
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+        raise ValueError(
+            "loss_scale must be a positive number, a 0-d tensor or a GradScaler; got "
+            f"{type(loss_scale).__name__}"
+        )
+    if not (loss_scale > 0 and loss_scale < float("inf")):
+        raise ValueError(f"loss_scale must be positive and finite; got {loss_scale!r}")
+    return float(loss_scale)
+
+
+def _as_python(leaf: Any) -> amp_core.GradientRange:
+    counts = [int(value) for value in leaf[:-1]]
+    return amp_core.GradientRange(*counts, headroom=float(leaf.headroom))
