@@ -1,17 +1,36 @@
-"""Command line of ``python -m demo`` (and ``make demo``)."""
+"""Command line of ``python -m demo`` (and ``make demo``).
+
+``python -m demo`` trains the quick run (both front doors, every row) and writes
+``demo_output/demo.md``, ``demo.json`` and three PNGs per front door; ``--full`` runs the
+documented numbers (more steps, and float32 over three seeds for its spread).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import datetime
 import os
+import platform
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from demo.problem import RunOptions, make_problem
-from demo.records import RunRecord
-from demo.registry import KNOWN_PATHS, PATHS, load_paths
-from demo.report import comparison_lines, plot_records, provenance_lines, summary_table
+import numpy as np
+
+from demo import report
+from demo.rows import DoorResult, RowResult, rows_for
+from demo.text import Settings, held_out_windows, load_corpus, training_windows
+
+QUICK_STEPS = 80
+"""Steps of ``make demo`` (about 3 minutes for both front doors on 2 idle cores)."""
+
+FULL_STEPS = 600
+"""Steps of ``python -m demo --full``."""
+
+FRONT_DOORS = ("torch", "jax")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,109 +38,143 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m demo",
         description=(
-            "Train a small MLP on synthetic data with float16 compute and dynamic loss scaling "
-            "(starting from a scale that overflows float16), next to a float32 run; print a "
-            "summary table and save a plot of loss and loss scale per step."
+            "Train a GPT-2-style byte-level language model on the Python standard library's "
+            "own source in float32, float16, bfloat16 and cbfloat16, with and without loss "
+            "scaling, through the torch and the JAX front doors; print the table and write "
+            "demo.md, demo.json and plots."
         ),
     )
-    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of data and init (default 0)")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the documented run: {FULL_STEPS} steps, float32 over 3 seeds (default: the "
+        f"quick run, {QUICK_STEPS} steps)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="training steps of every row")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of weights and batches (default 0)"
+    )
     parser.add_argument(
         "--out-dir",
         type=Path,
         default=Path("demo_output"),
-        help="folder for the plots (default demo_output)",
+        help="output folder (default demo_output)",
     )
     parser.add_argument(
-        "--path",
-        choices=("all", *KNOWN_PATHS),
-        default="all",
-        help="which implementation to run; 'all' runs every available one (default all)",
+        "--front-door",
+        choices=(*FRONT_DOORS, "both"),
+        default="both",
+        help="which front door to run (default both)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.add_argument(
         "--distributed",
         action="store_true",
-        help=(
-            "train the torch path data-parallel (DDP and FSDP2, gloo): as one rank of a "
-            "torchrun job, or starting 2 local ranks (see demo/distributed.py)"
-        ),
+        help="the data-parallel demo of the facade instead (a small MLP over 2 ranks, DDP and "
+        "FSDP2; see demo/mlp/distributed.py)",
     )
     return parser
 
 
-def run_paths(
-    names: Sequence[str], steps: int, seed: int, out_dir: Path, options: RunOptions
-) -> tuple[list[RunRecord], list[Path]]:
-    """Runs the named paths on one shared problem and saves one plot per path.
-
-    Args:
-        names: registered path names, in the order to run them.
-        steps: training steps.
-        seed: seed of the problem.
-        out_dir: folder of the plots (``<path>_demo.png``, plus ``comparison.png`` when
-            several paths ran).
-        options: progress bar and diagnostics switches.
-
-    Returns:
-        All records, and the plots written.
-    """
-    problem = make_problem(steps=steps, seed=seed)
-    records: list[RunRecord] = []
-    plots: list[Path] = []
-    for name in names:
-        path_records = PATHS[name](problem, options)
-        records.extend(path_records)
-        plots.append(
-            plot_records(
-                path_records,
-                out_dir / f"{name}_demo.png",
-                title=f"{name}: float16 + dynamic loss scaling vs float32 ({steps} steps)",
+def run_door(
+    front_door: str,
+    settings: Settings,
+    seeds: Sequence[int],
+    progress: bool,
+) -> DoorResult:
+    """Trains every row of ``front_door`` (and float32 for the extra ``seeds``)."""
+    if front_door == "torch":
+        from demo import torch_door as door
+    else:
+        from demo import jax_door as door  # type: ignore[no-redef]
+    corpus = load_corpus()
+    held_out = held_out_windows(corpus, settings)
+    batches = training_windows(corpus, settings)
+    gradients: list[np.ndarray] = []
+    results: list[RowResult] = []
+    context = door.one_thread() if front_door == "torch" else contextlib.nullcontext()
+    with context:
+        for row in rows_for(front_door):
+            keep = (
+                (lambda g: gradients.append(door.gradient_log2(g)))
+                if row.key == "float32"
+                else None
             )
-        )
-    if len(names) > 1:
-        plots.append(
-            plot_records(records, out_dir / "comparison.png", title=f"All paths ({steps} steps)")
-        )
-    return records, plots
+            results.append(door.train_row(row, settings, batches, held_out, progress, keep))
+        float32_seeds = {settings.seed: results[0].held_out_loss}
+        for seed in seeds:
+            if seed == settings.seed:
+                continue
+            other = dataclasses.replace(settings, seed=seed)
+            result = door.train_row(
+                rows_for(front_door)[0], other, training_windows(corpus, other), held_out, progress
+            )
+            float32_seeds[seed] = result.held_out_loss
+    return DoorResult(front_door, results, gradients[0], float32_seeds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parses ``argv``, runs the demo, prints the report.
+    """Entry point: parses ``argv``, runs the demo, prints the tables, writes the outputs.
 
     Returns:
         The process exit status.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be a positive integer; got {args.steps}")
+    if args.steps is not None and args.steps < 2:
+        parser.error(f"argument --steps: must be an integer of at least 2; got {args.steps}")
+    if args.seed < 0:
+        parser.error(f"argument --seed: must be a non-negative integer; got {args.seed}")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"argument --out-dir: {args.out_dir} exists and is not a folder")
     if args.distributed:
-        from demo.distributed import run
+        from demo.mlp.distributed import run
+        from demo.mlp.problem import RunOptions
 
         options = RunOptions(progress=not args.no_progress, diagnostics=False)
-        return run(args.steps, args.seed, args.out_dir, options)
-    unavailable = load_paths()
-    if args.path == "all":
-        names = [name for name in KNOWN_PATHS if name in PATHS]  # fixed, not import, order
-        for name, reason in unavailable.items():
-            print(f"note: the {name} path is not available yet ({reason}); skipping it", flush=True)
-    elif args.path in unavailable:
-        parser.error(f"the {args.path} path is not available: {unavailable[args.path]}")
-    else:
-        names = [args.path]
-    print(
-        f"Training a small MLP for {args.steps} steps (seed {args.seed}); paths: {', '.join(names)}",
-        flush=True,
-    )
-    options = RunOptions(progress=not args.no_progress)
-    records, plots = run_paths(names, args.steps, args.seed, args.out_dir, options)
-    print()
-    print(summary_table(records))
-    print()
-    for text in [*comparison_lines(records), *provenance_lines(records)]:
-        print(text)
-    for plot in plots:
-        print(f"plot saved to {os.path.relpath(plot) if not plot.is_absolute() else plot}")
-    sys.stdout.flush()
+        return run(args.steps or 300, args.seed, args.out_dir, options)
+    steps = args.steps or (FULL_STEPS if args.full else QUICK_STEPS)
+    settings = Settings(steps=steps, seed=args.seed)
+    seeds = [args.seed, args.seed + 1, args.seed + 2] if args.full else [args.seed]
+    doors = list(FRONT_DOORS) if args.front_door == "both" else [args.front_door]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    size = settings.size
+    command = "python -m demo " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = [
+        "# Does it train? GPT-2 on the Python standard library, every format",
+        "",
+        f"`{command.strip()}`, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"Python {platform.python_version()}, {os.cpu_count()} CPUs.",
+        "",
+        f"GPT-2 ({size.n_layer} layers, width {size.n_embd}, {size.n_head} heads, context "
+        f"{size.n_positions} bytes), byte vocabulary; AdamW lr {settings.learning_rate:g} "
+        f"(warm-up {settings.warmup_steps} steps), batch {settings.batch_size}, {steps} steps, "
+        f"seed {args.seed}. Held-out loss: nats per byte of the final float32 weights on "
+        f"{settings.eval_windows} windows of held-out files.",
+    ]
+    print(header[-1], flush=True)
+    start = time.perf_counter()
+    results = []
+    for name in doors:
+        results.append(run_door(name, settings, seeds, progress=not args.no_progress))
+        print(f"\n{name} front door ({time.perf_counter() - start:.0f} s so far)")
+        print(report.text_table(results[-1]))
+        for line in report.verdict_lines(results[-1]):
+            print(line)
+        sys.stdout.flush()
+    plots = [p for door in results for p in report.plot_door(door, args.out_dir)]
+    elapsed = time.perf_counter() - start
+    header[2] += f" Took {elapsed:.0f} s."
+    meta = {
+        "command": command.strip(),
+        "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%dT%H:%M}Z",
+        "settings": dataclasses.asdict(settings),
+        "elapsed_s": elapsed,
+    }
+    written = [
+        report.write_markdown(results, args.out_dir / "demo.md", header, plots),
+        report.write_json(results, args.out_dir / "demo.json", meta),
+        *plots,
+    ]
+    print(f"\nwrote {', '.join(str(p) for p in written)} in {elapsed:.0f} s")
     return 0

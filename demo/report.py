@@ -1,245 +1,265 @@
-"""Reporting shared by every path: the terminal table and the PNG plot of a list of records."""
+"""The table (terminal and markdown), ``demo.json`` and the plots of a demo run."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from demo.problem import FLOAT16_MAX
-from demo.records import RunRecord
+import hardware
+from demo.rows import DoorResult, RowResult
+
+COLUMNS = (
+    "row",
+    "held-out loss",
+    "ratio to float32",
+    "skipped steps",
+    "loss-scale range",
+    "underflow at scale 1",
+    "underflow at loss scale",
+    "time per step",
+)
 
 
-def format_scale(value: float | None) -> str:
-    """Formats a loss scale as ``2^k`` when it is a power of two, else in ``%g`` notation."""
-    if value is None:
-        return "-"
+def format_scale(value: float) -> str:
+    """``2^k`` for a power of two, else ``%g``."""
     exponent = math.log2(value) if value > 0 else float("nan")
     if math.isfinite(exponent) and exponent == int(exponent):
         return f"2^{int(exponent)}"
     return f"{value:g}"
 
 
-def summary_table(records: Sequence[RunRecord]) -> str:
-    """The end-of-run table: one row per record.
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.3f}%"
 
-    Columns: final loss (float32, whole data set), min / max / final loss scale, overflowed
-    steps, skipped steps (the scaler's own counter) and wall time.
 
-    Args:
-        records: the runs to show, in order.
+def row_cells(result: RowResult, reference: float) -> list[str]:
+    """The table's cells of one row."""
+    scale_range = result.scale_range
+    if scale_range is None:
+        scales = "-"
+    elif scale_range[0] == scale_range[1]:
+        scales = format_scale(scale_range[0])
+    else:
+        scales = f"{format_scale(scale_range[0])} .. {format_scale(scale_range[1])}"
+    return [
+        result.row.label,
+        f"{result.held_out_loss:.4f}",
+        f"{result.held_out_loss / reference:.4f}",
+        str(result.skipped_steps) if result.row.is_scaled else "-",
+        scales,
+        _percent(result.underflow_at_1),
+        _percent(result.underflow_at_scale),
+        f"{1000 * result.time_per_step_s:.0f} ms",
+    ]
 
-    Returns:
-        The table as a multi-line string.
-    """
-    header = (
-        "run",
-        "final loss",
-        "min scale",
-        "max scale",
-        "final scale",
-        "overflows",
-        "skipped",
-        "time",
-    )
-    rows = [header]
-    for record in records:
-        scales = record.all_scales
-        rows.append(
-            (
-                record.name,
-                f"{record.final_loss:.4g}",
-                format_scale(float(scales.min())) if scales.size else "-",
-                format_scale(float(scales.max())) if scales.size else "-",
-                format_scale(record.final_scale),
-                str(record.num_overflows) if record.is_scaled else "-",
-                "-" if record.num_skipped_steps is None else str(record.num_skipped_steps),
-                f"{record.wall_time_s:.1f} s",
-            )
+
+def text_table(door: DoorResult) -> str:
+    """The terminal table of one front door."""
+    rows = [list(COLUMNS), *(row_cells(r, door.reference) for r in door.rows)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(
+            [
+                row[0].ljust(widths[0]),
+                *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=False)),
+            ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        return "  ".join(cells)
-
-    rule = "-" * len(line(header))
-    return "\n".join([line(header), rule, *(line(row) for row in rows[1:])])
+        for row in rows
+    ]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
-def comparison_lines(records: Sequence[RunRecord]) -> list[str]:
-    """One line per scaled run comparing its final loss with the unscaled run of its path."""
+def markdown_table(door: DoorResult) -> str:
+    """The markdown table of one front door."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row_cells(r, door.reference)) + " |" for r in door.rows]
+    return "\n".join(lines)
+
+
+def spread(door: DoorResult) -> tuple[float, float] | None:
+    """float32's held-out loss over the seeds: (mean, max - min), or ``None`` for one seed."""
+    values = list(door.float32_seeds.values())
+    if len(values) < 2:
+        return None
+    return float(np.mean(values)), float(max(values) - min(values))
+
+
+def verdict_lines(door: DoorResult) -> list[str]:
+    """The claims the run checks: the scaled rows against float32, and the peer's decisions."""
+    reference = door.reference
+    tolerance = 0.01 * reference
     lines = []
-    for record in records:
-        if not record.is_scaled:
-            continue
-        references = [r for r in records if not r.is_scaled and r.path == record.path]
-        references = references or [r for r in records if not r.is_scaled]
-        if references:
-            ref = references[0]
-            lines.append(
-                f"{record.name}: final loss {record.final_loss:.4g} = "
-                f"{record.final_loss / ref.final_loss:.3f} x {ref.name} ({ref.final_loss:.4g})"
-            )
+    seeds = spread(door)
+    if seeds is not None:
+        listed = ", ".join(f"{v:.4f} (seed {s})" for s, v in door.float32_seeds.items())
+        lines.append(
+            f"float32 over {len(door.float32_seeds)} seeds: {listed}; spread {seeds[1]:.4f}"
+        )
+        tolerance = max(tolerance, seeds[1])
+    for key in ("float16+dls", "cbfloat16+dls"):
+        result = door.row(key)
+        gap = result.held_out_loss - reference
+        within = abs(gap) <= tolerance
+        lines.append(
+            f"{result.row.label}: {gap:+.4f} from float32 ({100 * gap / reference:+.2f}%), "
+            f"{'within' if within else 'NOT within'} the tolerance {tolerance:.4f} "
+            f"(1% of float32{' or its seed spread' if seeds else ''})"
+        )
+    ours, peer = door.row("float16+dls"), door.row("peer")
+    differ = [i for i, (a, b) in enumerate(zip(ours.skipped, peer.skipped, strict=False)) if a != b]
+    same_losses = ours.train_losses == peer.train_losses
+    if differ:
+        lines.append(
+            f"float16 + DLS and {peer.row.label} took different skip decisions on "
+            f"{len(differ)} of {len(ours.skipped)} steps (first at step {differ[0]})"
+        )
+    else:
+        lines.append(
+            f"float16 + DLS and {peer.row.label} took the same skip decision on all "
+            f"{len(ours.skipped)} steps ({ours.skipped_steps} skipped); training losses "
+            f"{'bit-identical' if same_losses else 'not identical'}"
+        )
     return lines
 
 
-def overflow_summary(gradients: Mapping[str, int], total: int) -> str:
-    """Names the gradients that overflowed, in the words of ``cstorch.amp.OverflowReport``.
-
-    For a path without torch (the JAX path builds it from ``amp_core.nonfinite_report``).
-
-    Args:
-        gradients: per gradient that overflowed, its number of inf or NaN elements (0 for
-            finite values whose squares overflow float32).
-        total: how many gradients were read.
-
-    Returns:
-        ``"2 of 6 gradients non-finite: layers.0.w (3 elements), ..."``.
-
-    Example:
-        >>> from demo.report import overflow_summary
-        >>> overflow_summary({"layers.2.b": 1}, 6)
-        '1 of 6 gradients non-finite: layers.2.b (1 element)'
-    """
-    head = f"{len(gradients)} of {total} gradients non-finite"
-    if not gradients:
-        return head
-
-    def elements(count: int) -> str:
-        if count == 0:
-            return "finite values too large to square in float32"
-        return f"{count} element{'s' if count != 1 else ''}"
-
-    return f"{head}: " + ", ".join(f"{name} ({elements(n)})" for name, n in gradients.items())
+def write_json(doors: Sequence[DoorResult], path: Path, meta: dict[str, Any]) -> Path:
+    """``demo.json``: the run's settings and one object per row (the columns, then curves)."""
+    rows = [r.as_json(door.reference) for door in doors for r in door.rows]
+    data = {
+        **meta,
+        "rows": rows,
+        "float32_seeds": {
+            d.front_door: {str(k): v for k, v in d.float32_seeds.items()} for d in doors
+        },
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return path
 
 
-def provenance_lines(records: Sequence[RunRecord]) -> list[str]:
-    """Explains where each scaled run's overflows came from.
-
-    Names the gradients that overflowed on the first skipped step (``first overflow: ...``, the
-    scaler's overflow report, :attr:`RunRecord.first_overflow`). If the run recorded diagnostics,
-    also uses the ``forward_finite``, ``f32_finite``, ``f32_peak`` and ``params_unchanged``
-    extras (see :mod:`demo.jax_path`): a genuine float16 backward overflow has a finite forward
-    loss and a finite float32 backward (same step, same scale) whose peak magnitude exceeds the
-    float16 maximum.
-    """
-    lines = []
-    for record in records:
-        extras = record.extras
-        diagnosed = {"forward_finite", "f32_finite", "f32_peak"} <= set(extras)
-        if not record.is_scaled or not (diagnosed or record.first_overflow is not None):
-            continue
-        lines.append(f"Overflow check ({record.name}):")
-        if record.first_overflow is not None:
-            lines.append(f"  first overflow: {record.first_overflow}")
-        if not diagnosed:
-            continue
-        over = record.overflow
-        peak = np.asarray(extras["f32_peak"])
-        predicted = peak > FLOAT16_MAX
-        genuine = over & extras["forward_finite"] & extras["f32_finite"] & predicted
-        lines.append(
-            f"  {int(genuine.sum())} of {int(over.sum())} overflows are float16 overflows in "
-            f"the backward pass: float16 forward loss finite, same step in float32 finite "
-            f"with peak |value| > {FLOAT16_MAX:g}."
-        )
-        peaks = []
-        if over.any():
-            peaks.append(f"smallest on a skipped step {peak[over].min():.4g}")
-        if (~over).any():
-            peaks.append(f"largest on an applied step {peak[~over].max():.4g}")
-        lines.append(
-            f"  float32 backward peak: {'; '.join(peaks)}; 'peak > {FLOAT16_MAX:g}' predicts "
-            f"the overflow flag on {int((predicted == over).sum())} of {record.steps} steps."
-        )
-        if "params_unchanged" in extras:
-            same = np.asarray(extras["params_unchanged"], bool)
-            lines.append(
-                f"  parameters and optimizer state bit-identical on {int((same & over).sum())} "
-                f"of {int(over.sum())} skipped steps; changed on {int((~same & ~over).sum())} "
-                f"of {int((~over).sum())} applied steps."
-            )
-    return lines
+def write_markdown(
+    doors: Sequence[DoorResult], path: Path, header: Sequence[str], plots: Sequence[Path]
+) -> Path:
+    """``demo.md``: the header lines, then per front door its table, its checks and its plots."""
+    parts = [*header, ""]
+    for door in doors:
+        parts += [f"## {door.front_door}", "", markdown_table(door), ""]
+        parts += [f"* {line}" for line in verdict_lines(door)] + [""]
+    parts += [f"![{p.stem}]({p.name})" for p in plots]
+    path.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    return path
 
 
-def plot_records(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> Path:
-    """Saves the loss and loss-scale history of ``records`` as a PNG (matplotlib, Agg).
+def _moving_average(values: Sequence[float], width: int) -> np.ndarray:
+    values = np.asarray(values, np.float64)
+    width = max(1, min(width, len(values)))
+    kernel = np.ones(width) / width
+    return np.convolve(values, kernel, mode="valid")
 
-    Top: loss per step of every record (log y), skipped steps marked with red crosses.
-    Bottom: loss scale per step of the scaled records (log2 y), skipped steps marked.
-    When the records come from several paths, the first path is drawn wide and pale and the
-    later ones thin, with red pluses for their skipped steps, so that coinciding curves show.
 
-    Args:
-        records: the runs to plot.
-        path: the PNG to write; its folder is created.
-        title: the figure title.
-
-    Returns:
-        The path written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot_losses(door: DoorResult, path: Path) -> Path:
+    """Training-loss curves of every row (moving average), with the held-out losses."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_loss, ax_scale) = plt.subplots(
-        2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
-    )
-    skip_label = "skipped step (float16 overflow)"
-    # With several paths, the first path's lines are wide and pale and its skips are crosses,
-    # later paths' lines thin and their skips pluses: curves that coincide stay visible.
-    paths = list(dict.fromkeys(record.path for record in records))
-    for record in records:
-        steps = np.arange(record.steps)
-        first = paths.index(record.path) == 0
-        wide = {"lw": 3.0, "alpha": 0.5} if first and len(paths) > 1 else {}
-        marker = "x" if first else "+"
-        style = {"lw": 1.2, **wide} if record.is_scaled else {"lw": 1.2, "ls": "--", **wide}
-        ax_loss.plot(steps, record.losses, label=record.name, **style)
-        if record.overflow.any():
-            finite_losses = np.where(np.isfinite(record.losses), record.losses, np.nan)
-            ax_loss.plot(
-                steps[record.overflow],
-                finite_losses[record.overflow],
-                marker,
-                color="red",
-                ms=7,
-                mew=1.8,
-                label=f"{record.name}: {skip_label}",
-            )
-        if record.is_scaled:
-            ax_scale.step(
-                steps, record.scales, where="post", label=record.name, **{"lw": 1.5, **wide}
-            )
-            ax_scale.plot(
-                steps[record.overflow],
-                record.scales[record.overflow],
-                marker,
-                color="red",
-                ms=8,
-                mew=2,
-                label=f"{record.name}: {skip_label}",
-            )
-    ax_loss.set_yscale("log")
-    ax_loss.set_ylabel("training loss (MSE, log scale)")
-    ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="upper right")
-    ax_scale.set_yscale("log", base=2)
-    ax_scale.set_ylabel("loss scale (log2 scale)")
-    ax_scale.set_xlabel("training step")
-    ax_scale.grid(True, which="major", alpha=0.3)
-    if ax_scale.has_data():
-        ax_scale.legend(loc="upper right")
-    fig.suptitle(title or "Dynamic loss scaling with float16 compute")
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = max(1, len(door.rows[0].train_losses) // 20)
+    for result in door.rows:
+        curve = _moving_average(result.train_losses, width)
+        steps = np.arange(len(curve)) + width
+        label = f"{result.row.label} (held-out {result.held_out_loss:.3f})"
+        ax.plot(steps, curve, label=label, linestyle="--" if result.row.fmt == "float32" else "-")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (nats/byte, moving average of {width})")
+    ax.set_title(f"{door.front_door}: GPT-2 on the standard library's source")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_scales(door: DoorResult, path: Path) -> Path:
+    """The loss scale of every scaled row per step (log2), skipped steps marked."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for result in door.rows:
+        if result.scales is None:
+            continue
+        scales = np.log2(np.asarray(result.scales))
+        ax.step(np.arange(len(scales)), scales, where="post", label=result.row.label)
+        skipped = np.flatnonzero(result.skipped)
+        ax.plot(skipped, scales[skipped], "x", color="black", markersize=4)
+    ax.set_xlabel("step (x: a skipped step)")
+    ax.set_ylabel("log2(loss scale)")
+    ax.set_title(f"{door.front_door}: loss-scale trajectories")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_gradient_range(door: DoorResult, path: Path) -> Path:
+    """Histogram of float32 gradient magnitudes (log2) against each half format's range, at
+    scale 1 and shifted by the float16 row's loss scale."""
+    import matplotlib.pyplot as plt
+
+    log2 = door.gradient_log2
+    scale = door.row("float16+dls").final_scale or 1.0
+    shift = math.log2(scale)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    bins = np.arange(
+        math.floor(min(log2.min(), -45)), math.ceil(max(log2.max() + shift, 35)) + 1, 0.5
+    )
+    ax.hist(log2, bins=bins, histtype="stepfilled", alpha=0.5, label="|gradient| (scale 1)")
+    ax.hist(
+        log2 + shift,
+        bins=bins,
+        histtype="step",
+        linewidth=1.5,
+        label=f"|gradient| x float16 loss scale {format_scale(scale)}",
+    )
+    colors = {"float16": "tab:red", "bfloat16": "tab:green", "cbfloat16": "tab:purple"}
+    lo, hi = bins[0], bins[-1]
+    for name, color in colors.items():
+        fmt = hardware.get_format(name)
+        for value, style, what in (
+            (fmt.smallest_subnormal, ":", "smallest subnormal"),
+            (fmt.min_normal, "--", "smallest normal"),
+            (fmt.max, "-", "largest"),
+        ):
+            x = math.log2(value)
+            if lo <= x <= hi:
+                ax.axvline(x, color=color, linestyle=style, label=f"{name} {what} 2^{x:.0f}")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("log2 |gradient element| (float32 gradients of the float32 row's final weights)")
+    ax.set_ylabel("elements")
+    ax.set_title(
+        f"{door.front_door}: gradients against the formats' ranges "
+        "(bfloat16's range, 2^-133 .. 2^128, is off the chart)"
+    )
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_door(door: DoorResult, out_dir: Path) -> list[Path]:
+    """The three plots of one front door, as ``<door>_losses.png``, ``<door>_loss_scale.png``
+    and ``<door>_gradients.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    return [
+        plot_losses(door, out_dir / f"{door.front_door}_losses.png"),
+        plot_scales(door, out_dir / f"{door.front_door}_loss_scale.png"),
+        plot_gradient_range(door, out_dir / f"{door.front_door}_gradients.png"),
+    ]

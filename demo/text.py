@@ -160,3 +160,37 @@ def held_out_windows(corpus: Corpus, settings: Settings) -> np.ndarray:
     length = settings.size.n_positions + 1
     starts = np.linspace(0, len(corpus.held_out) - length, settings.eval_windows).astype(np.int64)
     return corpus.held_out[starts[:, None] + np.arange(length)].astype(np.int32)
+
+
+def initial_weights(size: ModelSize, seed: int) -> dict[str, np.ndarray]:
+    """GPT-2's initialisation, in numpy, under ``GPT2LMHeadModel``'s state-dict names.
+
+    Weights normal with standard deviation 0.02 (the residual projections ``c_proj`` divided
+    by ``sqrt(2 * n_layer)``), biases zero, layer norms one and zero; the output layer is tied
+    to the token embedding (``transformer.wte.weight``). Both front doors start from these
+    arrays, so that their float32 rows start from the same loss.
+    """
+    rng = np.random.default_rng([seed, 1])
+    e, v, t = size.n_embd, size.vocab_size, size.n_positions
+
+    def normal(*shape: int, std: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    projection_std = 0.02 / np.sqrt(2 * size.n_layer)
+    weights = {"transformer.wte.weight": normal(v, e), "transformer.wpe.weight": normal(t, e)}
+    for i in range(size.n_layer):
+        block = f"transformer.h.{i}."
+        for norm in ("ln_1", "ln_2"):
+            weights[block + norm + ".weight"] = np.ones(e, np.float32)
+            weights[block + norm + ".bias"] = np.zeros(e, np.float32)
+        for name, (fan_in, fan_out), std in (
+            ("attn.c_attn", (e, 3 * e), 0.02),
+            ("attn.c_proj", (e, e), projection_std),
+            ("mlp.c_fc", (e, 4 * e), 0.02),
+            ("mlp.c_proj", (4 * e, e), projection_std),
+        ):
+            weights[block + name + ".weight"] = normal(fan_in, fan_out, std=std)
+            weights[block + name + ".bias"] = np.zeros(fan_out, np.float32)
+    weights["transformer.ln_f.weight"] = np.ones(e, np.float32)
+    weights["transformer.ln_f.bias"] = np.zeros(e, np.float32)
+    return weights

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from demo.problem import RunOptions, make_problem
-from demo.torch_path import run_fp32
+from demo.mlp.problem import RunOptions, make_problem
+from demo.mlp.torch_model import run_fp32
 
 STEPS = 12  # the first 9 steps overflow float16 (2**24 down to 2**15), then training goes on
 TIMEOUT_S = 150

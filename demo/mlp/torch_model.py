@@ -43,9 +43,9 @@ import torch
 from tqdm.auto import tqdm
 
 import torch_facade as cstorch  # an ImportError here marks the path unavailable
-from demo.problem import Problem, RunOptions
-from demo.records import RunRecord, diagnostic_extras
-from demo.report import format_scale
+from demo.mlp.problem import Problem, RunOptions
+from demo.mlp.records import RunRecord, diagnostic_extras
+from demo.mlp.report import format_scale
 
 
 class DemoMLP(torch.nn.Module):

@@ -30,7 +30,7 @@ def diagnostic_extras(columns: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]
     """The :data:`DIAGNOSTICS` entries of ``columns`` (one value per step), as typed arrays.
 
     Example:
-        >>> from demo.records import DIAGNOSTICS, diagnostic_extras
+        >>> from demo.mlp.records import DIAGNOSTICS, diagnostic_extras
         >>> columns = {key: [0, 1] for key in DIAGNOSTICS} | {"loss": [0.5, 0.4]}
         >>> extras = diagnostic_extras(columns)
         >>> list(extras) == list(DIAGNOSTICS)

@@ -41,10 +41,10 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 import torch_facade as cstorch
-from demo.problem import Problem, RunOptions, make_problem
-from demo.records import RunRecord
-from demo.report import comparison_lines, plot_records, summary_table
-from demo.torch_path import DemoMLP, mse
+from demo.mlp.problem import Problem, RunOptions, make_problem
+from demo.mlp.records import RunRecord
+from demo.mlp.report import comparison_lines, plot_records, summary_table
+from demo.mlp.torch_model import DemoMLP, mse
 
 DEFAULT_RANKS = 2
 TIMEOUT = datetime.timedelta(seconds=120)
