@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"GPT-2 ({size.n_layer} layers, width {size.n_embd}, {size.n_head} heads, context "
         f"{size.n_positions} bytes), byte vocabulary; AdamW lr {settings.learning_rate:g} "
-        f"(warm-up {settings.warmup_steps} steps), batch {settings.batch_size}, {steps} steps, "
+        f"(warm-up {settings.warmup_steps} steps, cosine decay to a tenth), batch {settings.batch_size}, {steps} steps, "
         f"seed {args.seed}. Held-out loss: nats per byte of the final float32 weights on "
         f"{settings.eval_windows} windows of held-out files.",
     ]

@@ -137,10 +137,7 @@ def cross_entropy(model: GPT, windows: jax.Array) -> jax.Array:
 
 
 def _tx(settings: Settings) -> optax.GradientTransformation:
-    def schedule(count: jax.Array) -> jax.Array:
-        return settings.learning_rate * jnp.minimum(1.0, (count + 1) / settings.warmup_steps)
-
-    return optax.adamw(schedule, weight_decay=settings.weight_decay)
+    return optax.adamw(settings.learning_rate_at, weight_decay=settings.weight_decay)
 
 
 def _config(row: Row, settings: Settings) -> amp_core.LossScaleConfig:

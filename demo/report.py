@@ -167,11 +167,14 @@ def plot_losses(door: DoorResult, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     width = max(1, len(door.rows[0].train_losses) // 20)
+    tops = []
     for result in door.rows:
         curve = _moving_average(result.train_losses, width)
         steps = np.arange(len(curve)) + width
         label = f"{result.row.label} (held-out {result.held_out_loss:.3f})"
         ax.plot(steps, curve, label=label, linestyle="--" if result.row.fmt == "float32" else "-")
+        tops.append(curve[len(curve) // 5])
+    ax.set_ylim(top=max(tops))  # the first fifth of the run (the fast initial descent) is cut
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (nats/byte, moving average of {width})")
     ax.set_title(f"{door.front_door}: GPT-2 on the standard library's source")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ class Settings:
         seed: seed of the initial weights and of the training windows.
         batch_size: windows per step.
         learning_rate: AdamW's peak learning rate (linear warm-up over ``warmup_steps``,
-            then constant).
+            then a cosine decay to a tenth of it at the last step).
         warmup_steps: steps of linear warm-up.
         weight_decay: AdamW's decoupled weight decay.
         max_gradient_norm: the clipping bound of the row that clips (``GradScaler(...,
@@ -71,9 +72,16 @@ class Settings:
     eval_windows: int = 256
     size: ModelSize = ModelSize()
 
-    def learning_rate_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based)."""
-        return self.learning_rate * min(1.0, (step + 1) / self.warmup_steps)
+    def learning_rate_at(self, step: Any) -> Any:
+        """The learning rate of optimizer step ``step`` (0-based; a number, or a JAX or numpy
+        array: only arithmetic and ``cos``/``minimum`` of the array's own module are used)."""
+        xp = np if isinstance(step, (int, float, np.integer, np.ndarray)) else _jnp()
+        warm = xp.minimum(1.0, (step + 1) / self.warmup_steps)
+        progress = xp.minimum(
+            1.0, xp.maximum(0.0, step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        )
+        decay = 0.1 + 0.9 * 0.5 * (1.0 + xp.cos(np.pi * progress))
+        return self.learning_rate * warm * decay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +101,12 @@ class Corpus:
     train_files: tuple[str, ...]
     held_out_files: tuple[str, ...]
     root: Path
+
+
+def _jnp() -> Any:
+    import jax.numpy as jnp
+
+    return jnp
 
 
 def stdlib_root() -> Path:

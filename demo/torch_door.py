@@ -230,7 +230,7 @@ def train_row(
             start = time.perf_counter()
             applied = step - sum(skipped)  # the schedule counts applied steps, as optax's does
             for group in optimizer.param_groups:
-                group["lr"] = settings.learning_rate_at(applied)
+                group["lr"] = float(settings.learning_rate_at(applied))
             scales.append(scaler.scale())
             optimizer.zero_grad()
             loss = cross_entropy(model, torch.from_numpy(batches[step]))
