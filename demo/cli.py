@@ -137,44 +137,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(steps=steps, seed=args.seed)
     seeds = [args.seed, args.seed + 1, args.seed + 2] if args.full else [args.seed]
     doors = list(FRONT_DOORS) if args.front_door == "both" else [args.front_door]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    size = settings.size
     command = "python -m demo " + " ".join(argv if argv is not None else sys.argv[1:])
+    run(settings, doors, seeds, args.out_dir, command.strip(), progress=not args.no_progress)
+    return 0
+
+
+def run(
+    settings: Settings,
+    doors: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: Path,
+    command: str,
+    progress: bool = True,
+) -> list[DoorResult]:
+    """Trains every row of ``doors``, prints the tables, writes ``demo.md``, ``demo.json`` and
+    the plots into ``out_dir``.
+
+    Args:
+        settings: model size, optimizer, steps, seed.
+        doors: ``"torch"`` and/or ``"jax"``.
+        seeds: the seeds of the float32 row (``settings.seed`` first); more than one reports
+            float32's spread.
+        out_dir: the output folder (created).
+        command: the command line, for the header.
+        progress: show progress bars.
+
+    Returns:
+        One :class:`~demo.rows.DoorResult` per front door.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    size = settings.size
     header = [
         "# Does it train? GPT-2 on the Python standard library, every format",
         "",
-        f"`{command.strip()}`, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"`{command}`, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs.",
         "",
         f"GPT-2 ({size.n_layer} layers, width {size.n_embd}, {size.n_head} heads, context "
         f"{size.n_positions} bytes), byte vocabulary; AdamW lr {settings.learning_rate:g} "
-        f"(warm-up {settings.warmup_steps} steps, cosine decay to a tenth), batch {settings.batch_size}, {steps} steps, "
-        f"seed {args.seed}. Held-out loss: nats per byte of the final float32 weights on "
-        f"{settings.eval_windows} windows of held-out files.",
+        f"(warm-up {settings.warmup_steps} steps, cosine decay to a tenth), batch "
+        f"{settings.batch_size}, {settings.steps} steps, seed {settings.seed}. Held-out loss: "
+        f"nats per byte of the final float32 weights on {settings.eval_windows} windows of "
+        "held-out files.",
     ]
     print(header[-1], flush=True)
     start = time.perf_counter()
     results = []
     for name in doors:
-        results.append(run_door(name, settings, seeds, progress=not args.no_progress))
+        results.append(run_door(name, settings, seeds, progress))
         print(f"\n{name} front door ({time.perf_counter() - start:.0f} s so far)")
         print(report.text_table(results[-1]))
         for line in report.verdict_lines(results[-1]):
             print(line)
         sys.stdout.flush()
-    plots = [p for door in results for p in report.plot_door(door, args.out_dir)]
+    plots = [p for door in results for p in report.plot_door(door, out_dir)]
     elapsed = time.perf_counter() - start
     header[2] += f" Took {elapsed:.0f} s."
     meta = {
-        "command": command.strip(),
+        "command": command,
         "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%dT%H:%M}Z",
         "settings": dataclasses.asdict(settings),
         "elapsed_s": elapsed,
     }
     written = [
-        report.write_markdown(results, args.out_dir / "demo.md", header, plots),
-        report.write_json(results, args.out_dir / "demo.json", meta),
+        report.write_markdown(results, out_dir / "demo.md", header, plots),
+        report.write_json(results, out_dir / "demo.json", meta),
         *plots,
     ]
     print(f"\nwrote {', '.join(str(p) for p in written)} in {elapsed:.0f} s")
-    return 0
+    return results

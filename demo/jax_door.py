@@ -144,7 +144,10 @@ def _config(row: Row, settings: Settings) -> amp_core.LossScaleConfig:
     if row.scaling == "none":
         return amp_core.StaticLossScale()
     clip = settings.max_gradient_norm if row.scaling == "dls+clip" else None
-    return amp_core.DynamicLossScale(half_dtype=row.fmt, max_gradient_norm=clip)
+    start = settings.init_scale
+    return amp_core.DynamicLossScale(
+        half_dtype=row.fmt, init_scale=start, max_loss_scale=start, max_gradient_norm=clip
+    )
 
 
 def _amp_core_step(graphdef: Any, state: Any, windows: jax.Array) -> tuple[Any, jax.Array, ...]:
@@ -168,7 +171,7 @@ def _jmp_step(
     loss, grads = nnx.value_and_grad(lambda m: loss_scale.scale(cross_entropy(m, windows)))(model)
     grads = loss_scale.unscale(grads)
     finite = jmp.all_finite(grads)
-    before = nnx.state((model, optimizer))
+    before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # the values, not Variables
     optimizer.update(model, grads)
     nnx.update((model, optimizer), jmp.select_tree(finite, nnx.state((model, optimizer)), before))
     new = loss_scale.adjust(finite)
@@ -222,7 +225,10 @@ def train_row(
     model = GPT(settings.size, settings.seed, row.fmt)
     if row.scaling == "peer":
         optimizer: Any = nnx.Optimizer(model, _tx(settings), wrt=nnx.Param)
-        scaler = (jnp.float32(PEER_INIT_SCALE), jnp.int32(0))  # jmp's scale and counter
+        scaler = (
+            jnp.float32(settings.init_scale or PEER_INIT_SCALE),
+            jnp.int32(0),
+        )  # jmp's scale and counter
     else:
         optimizer = LossScaledOptimizer(model, _tx(settings), _config(row, settings), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))

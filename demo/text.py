@@ -59,6 +59,10 @@ class Settings:
         max_gradient_norm: the clipping bound of the row that clips (``GradScaler(...,
             max_gradient_norm=...)``).
         eval_windows: held-out windows the held-out loss averages over.
+        init_scale: ``None`` (the default): every dynamic row starts from its dtype's default
+            (``2**15`` for float16, ``2**31`` for cbfloat16; the peers ``2**15``). A number
+            starts them all there (with ``max_loss_scale`` as high), e.g. to watch an overflow
+            episode.
         size: the model size.
     """
 
@@ -70,6 +74,7 @@ class Settings:
     weight_decay: float = 0.01
     max_gradient_norm: float = 1.0
     eval_windows: int = 256
+    init_scale: float | None = None
     size: ModelSize = ModelSize()
 
     def learning_rate_at(self, step: Any) -> Any:

@@ -163,12 +163,17 @@ class _Scaler:
             saved = cstorch.amp.get_half_dtype_str(), cstorch.amp.mixed_precision()
             cstorch.amp.set_half_dtype(row.fmt)  # the dtype's defaults, read at construction
             clip = settings.max_gradient_norm if row.scaling == "dls+clip" else None
-            self.scaler: Any = cstorch.amp.GradScaler(loss_scale="dynamic", max_gradient_norm=clip)
+            start = settings.init_scale
+            self.scaler: Any = cstorch.amp.GradScaler(
+                loss_scale="dynamic", init_scale=start, max_loss_scale=start, max_gradient_norm=clip
+            )
             cstorch.amp.set_half_dtype(saved[0])
             cstorch.amp.enable_mixed_precision(saved[1])
         elif row.scaling == "peer":
             self.scaler = torch.amp.GradScaler(
-                "cpu", init_scale=PEER_INIT_SCALE, growth_interval=PEER_GROWTH_INTERVAL
+                "cpu",
+                init_scale=settings.init_scale or PEER_INIT_SCALE,
+                growth_interval=PEER_GROWTH_INTERVAL,
             )
         else:
             self.scaler = None
