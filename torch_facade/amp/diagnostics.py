@@ -273,7 +273,8 @@ class GradientRangeReport:
     @property
     def underflow_fraction(self) -> float:
         """The fraction of all gradient elements that underflow to zero (0 when there are none)."""
-        return self.total.underflows / self.total.size if self.total.size else 0.0
+        size = int(self.total.size)
+        return int(self.total.underflows) / size if size else 0.0
 
     def __str__(self) -> str:
         total = self.total
@@ -407,5 +408,5 @@ def _loss_scale_value(loss_scale: Any) -> float:
 
 
 def _as_python(leaf: Any) -> amp_core.GradientRange:
-    counts = [int(value) for value in leaf[:-1]]
-    return amp_core.GradientRange(*counts, headroom=float(leaf.headroom))
+    """The range with Python numbers (ints, a float headroom) in place of 0-d arrays."""
+    return amp_core.GradientRange._make([*(int(v) for v in leaf[:-1]), float(leaf.headroom)])
