@@ -88,6 +88,7 @@ def test_the_readme_and_the_guides_have_code_to_run():
         "docs/pytorch/huggingface.md",
         "docs/distributed.md",
         "docs/formats.md",
+        "docs/does-it-train.md",
     }
     assert expected <= names, f"pages without python blocks: {sorted(expected - names)}"
 
