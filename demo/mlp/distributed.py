@@ -1,6 +1,6 @@
 """``python -m demo --distributed``: the torch path's training, data-parallel over 2 ranks.
 
-The same problem, model and loop as :mod:`demo.torch_path` (float16 compute, Adam,
+The same problem, model and loop as :mod:`demo.mlp.torch_model` (float16 compute, Adam,
 ``cstorch.amp.GradScaler(loss_scale="dynamic")``), run by a ``torch.distributed`` job on the CPU
 (gloo): every rank trains on its half of each step's batch, with its gradients averaged
 

@@ -124,7 +124,7 @@ def provenance_lines(records: Sequence[RunRecord]) -> list[str]:
     Names the gradients that overflowed on the first skipped step (``first overflow: ...``, the
     scaler's overflow report, :attr:`RunRecord.first_overflow`). If the run recorded diagnostics,
     also uses the ``forward_finite``, ``f32_finite``, ``f32_peak`` and ``params_unchanged``
-    extras (see :mod:`demo.jax_path`): a genuine float16 backward overflow has a finite forward
+    extras (recorded by the MLP paths): a genuine float16 backward overflow has a finite forward
     loss and a finite float32 backward (same step, same scale) whose peak magnitude exceeds the
     float16 maximum.
     """

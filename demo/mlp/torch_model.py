@@ -3,7 +3,7 @@
 ``import torch_facade as cstorch``; ``cstorch.amp.set_half_dtype("float16")`` gives the compute
 dtype; a ``torch.nn.Module`` holds float32 master parameters and, in ``forward``, casts them and
 its input to float16, so the forward and backward passes run in float16 while the loss is reduced
-in float32 (the same arithmetic as :mod:`demo.jax_path`: ``h @ w + b`` as a matmul and an
+in float32 (``h @ w + b`` as a matmul and an
 addition, ``tanh``, mean squared error). ``torch.optim.Adam`` steps the master parameters under
 ``cstorch.amp.GradScaler(loss_scale="dynamic", ...)`` with the problem's settings, in the
 documented loop::
@@ -22,14 +22,10 @@ The path runs torch on one thread (and restores the setting): the model is tiny,
 OpenMP workers only wait on busy cores for it (a 2-core machine with other load ran 10x slower).
 
 Every overflow is a float16 result of the backward pass above 65504. With
-``RunOptions.diagnostics`` each step also records the same diagnostics as the JAX path
-(``forward_finite``, ``f32_finite``, ``f32_peak``, ``params_unchanged``, ``num_skipped_steps``),
-so the report explains the torch overflows too.
-
-The loss-scale trajectory is expected to equal the JAX path's: both check the same model on the
-same batches, and overflow happens on the same steps as long as float16 rounding differences
-between torch's and XLA's CPU kernels never move a gradient across 65504 (see
-``tests/demo/test_demo_torch.py``).
+``RunOptions.diagnostics`` each step also records diagnostics (``forward_finite``,
+``f32_finite``, ``f32_peak``, ``params_unchanged``, ``num_skipped_steps``) that explain the
+overflows. Kept for ``python -m demo --distributed`` (:mod:`demo.mlp.distributed`), whose
+float32 reference this module's :func:`run_fp32` is.
 """
 
 from __future__ import annotations
