@@ -128,11 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out_dir.exists() and not args.out_dir.is_dir():
         parser.error(f"argument --out-dir: {args.out_dir} exists and is not a folder")
     if args.distributed:
-        from demo.mlp.distributed import run
+        from demo.mlp.distributed import run as run_distributed
         from demo.mlp.problem import RunOptions
 
         options = RunOptions(progress=not args.no_progress, diagnostics=False)
-        return run(args.steps or 300, args.seed, args.out_dir, options)
+        return run_distributed(args.steps or 300, args.seed, args.out_dir, options)
     steps = args.steps or (FULL_STEPS if args.full else QUICK_STEPS)
     settings = Settings(steps=steps, seed=args.seed)
     seeds = [args.seed, args.seed + 1, args.seed + 2] if args.full else [args.seed]

@@ -153,6 +153,26 @@ def test_the_library_and_the_peer_take_the_same_skip_decisions(front_door: str) 
 
 
 @pytest.mark.parametrize(
+    ("argv", "steps", "seeds", "doors"),
+    [
+        ([], cli.QUICK_STEPS, [0], ["torch", "jax"]),
+        (["--full", "--seed", "4"], cli.FULL_STEPS, [4, 5, 6], ["torch", "jax"]),
+        (["--steps", "7", "--front-door", "jax"], 7, [0], ["jax"]),
+    ],
+)
+def test_the_command_line_runs_what_it_says(
+    argv: list[str], steps: int, seeds: list[int], doors: list[str], monkeypatch, tmp_path: Path
+) -> None:
+    calls = []
+    monkeypatch.setattr(cli, "run", lambda *args, **kwargs: calls.append((args, kwargs)))
+    assert cli.main([*argv, "--out-dir", str(tmp_path), "--no-progress"]) == 0
+    (settings, run_doors, run_seeds, out_dir, command), kwargs = calls[0]
+    assert (settings.steps, settings.seed, run_seeds, run_doors) == (steps, seeds[0], seeds, doors)
+    assert out_dir == tmp_path and kwargs == {"progress": False}
+    assert command.startswith("python -m demo")
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--steps", "1"], "argument --steps: must be an integer of at least 2; got 1"),
