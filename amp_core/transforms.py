@@ -58,9 +58,10 @@ def with_loss_scaling(
 
     ``update`` checks the gradients for overflow (their global norm, summed one leaf after the
     other), then unscales them (clipping them with DLS + GCC) inside ``inner.update``'s own
-    passes. Gradients computed in the same jitted step cost one write and two reads each for the
-    check, the least XLA:CPU allows; gradients already in memory (jit inputs) are copied once
-    more. On overflow the inner state comes back untouched
+    passes. The check reads each gradient as its source allows: gradients computed in the same
+    jitted step cost one write and two reads each, one alive at a time (the least XLA:CPU
+    allows); gradients already in memory (jit inputs, the output of a ``lax.scan`` that
+    accumulated them) are read once. On overflow the inner state comes back untouched
     (bit for bit) and the updates are ``-0.0``, so that ``optax.apply_updates`` leaves every
     parameter bit-identical (``x + -0.0 == x`` for every ``x``, signed zeros and NaN included).
     The scaler state advances on every step either way; static scaling never skips.
@@ -359,7 +360,7 @@ def _scaled_update(
 ) -> tuple[optax.Updates, LossScaledState]:
     """The update of :func:`with_loss_scaling` (and of :func:`apply_scaled_gradients`).
 
-    The check reads the gradients one leaf after the other
+    The check reads each gradient as its source allows
     (:func:`amp_core.scaling._in_step_sum_of_unscaled_squares`), the unscale multiply (and the
     clip coefficient) then fuse into the inner update's passes, and on overflow
     :func:`_update_or_keep` keeps the old state and returns ``-0.0`` updates.
@@ -526,7 +527,7 @@ def apply_scaled_gradients(
 
     Does what ``tx = with_loss_scaling(inner, config)``, ``tx.update`` and
     ``optax.apply_updates`` do together, with the same state (``tx.init(params)``) and the same
-    dataflow: the check reads the gradients one leaf after the other, and the unscaling, the
+    dataflow: the check reads each gradient as its source allows, and the unscaling, the
     inner update and the parameter update fuse into the optimizer's own passes, each new state
     leaf selected against the old one where it is defined. A skipped step leaves the
     parameters and the inner state bit-identical (the optimizer's arithmetic is done and
