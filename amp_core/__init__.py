@@ -56,6 +56,7 @@ from amp_core.transforms import (
     LossScaledState,
     apply_scaled_gradients,
     loss_scale_state,
+    step_applied,
     value_and_grad,
     with_loss_scaling,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "scaler_metrics",
     "select_if_finite",
     "state_dict_keys",
+    "step_applied",
     "sum_of_unscaled_squares",
     "to_state_dict",
     "unscale_and_check",

@@ -17,7 +17,7 @@ from flax.training import train_state
 from amp_core.config import LossScaleConfig
 from amp_core.scaling import scale_loss
 from amp_core.state import LossScaleState
-from amp_core.transforms import loss_scale_state, with_loss_scaling
+from amp_core.transforms import loss_scale_state, step_applied, with_loss_scaling
 
 
 class LossScaledTrainState(train_state.TrainState):
@@ -29,6 +29,11 @@ class LossScaledTrainState(train_state.TrainState):
     logging and checkpoint cadence do not drift after an overflow episode; skipped steps are
     ``scaler.num_skipped_steps``. ``step`` is an int32 array from the start, so a jitted train
     step compiles once.
+
+    To accumulate gradients, sum the scaled micro-batch gradients and call
+    :meth:`apply_gradients` once, or create it with ``tx=optax.MultiSteps(tx, k)`` and call
+    :meth:`apply_gradients` per micro-batch (``step`` then grows only when an accumulated step
+    is applied); an overflow in any micro-batch skips the whole accumulated step.
 
     Attributes:
         config: the loss-scaling configuration (static, not a pytree leaf).
@@ -107,5 +112,5 @@ class LossScaledTrainState(train_state.TrainState):
         """
         new_state = super().apply_gradients(grads=grads, **kwargs)
         step = jnp.asarray(self.step)
-        applied = loss_scale_state(new_state.opt_state).isfinite.astype(step.dtype)
+        applied = step_applied(new_state.opt_state).astype(step.dtype)
         return new_state.replace(step=step + applied)

@@ -14,7 +14,7 @@ from flax import nnx
 from amp_core.config import LossScaleConfig
 from amp_core.scaling import scale_loss
 from amp_core.state import LossScaleState
-from amp_core.transforms import loss_scale_state, with_loss_scaling
+from amp_core.transforms import loss_scale_state, step_applied, with_loss_scaling
 
 
 class LossScaledOptimizer(nnx.Optimizer):
@@ -35,6 +35,11 @@ class LossScaledOptimizer(nnx.Optimizer):
 
         grads = nnx.grad(lambda m: optimizer.scale_loss(loss_fn(m)))(model)
         isfinite = optimizer.update(model, grads)
+
+    To accumulate gradients, sum the scaled micro-batch gradients and call :meth:`update` once
+    (one decision per accumulated step), or pass ``optax.MultiSteps(tx, k)`` as ``tx`` and call
+    :meth:`update` per micro-batch; either way an overflow in any micro-batch skips the whole
+    accumulated step (see :func:`amp_core.with_loss_scaling`).
 
     ``nnx.state(optimizer)`` holds the scaler with the rest (``opt_state.scaler``), so a
     checkpoint of it saves and restores the scaler too.
@@ -102,11 +107,13 @@ class LossScaledOptimizer(nnx.Optimizer):
             **kwargs: extra arguments of ``tx.update``, as for ``nnx.Optimizer.update``.
 
         Returns:
-            ``isfinite``, 0-d bool: whether the step was applied (always ``True`` for static
-            scaling). ``step`` grows by it.
+            0-d bool: whether an optimizer step was applied (``isfinite``; always ``True`` for
+            static scaling). ``step`` grows by it. With an ``optax.MultiSteps`` as ``tx`` each
+            call takes one micro-batch and only the call that ends an accumulated step can
+            apply one (see :func:`amp_core.step_applied`).
         """
-        applied = self.step[...]
+        step = self.step[...]
         super().update(model, grads, **kwargs)
-        isfinite = self.scaler.isfinite
-        self.step[...] = applied + isfinite.astype(applied.dtype)
-        return isfinite
+        applied = step_applied(self.opt_state)
+        self.step[...] = step + applied.astype(step.dtype)
+        return applied

@@ -7,6 +7,8 @@ each gradient's dtype.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -138,31 +140,67 @@ def sum_of_unscaled_squares(
 
 
 def _in_step_sum_of_unscaled_squares(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
-    """``sum((g * inv_scale)**2)`` for gradients computed in the same jitted step.
+    """``sum((g * inv_scale)**2)`` inside a jitted step, each leaf read as its source allows.
 
-    :func:`sum_of_unscaled_squares` is built for gradients that already sit in memory (jit
-    inputs, the torch facade's imports): one read each. Inside a train step the gradients are
-    computed by the same XLA program, and on XLA:CPU that matters twice. XLA:CPU never fuses an
-    element-wise producer into a reduction, so every gradient is written out before it is summed;
-    and its default scheduler runs all 148 such writes (at 28M parameters) before the first sum,
-    so they are alive together: 112 MB of temporary memory that is fresh (page-faulted) on every
-    call, 27,000 page faults per step. Its ``lax.cond`` fallback also keeps every leaf alive.
+    On the CPU, where a gradient comes from decides how it is best read:
 
-    Here on the CPU each leaf's unscaled values go through ``where(isnan(total_so_far), nan,
-    g * inv)`` before they are squared and summed, ``total_so_far`` being the sum over the leaves
-    before it. A select is not fused into the reduction, so the write of leaf ``i`` waits for the
-    sum of leaf ``i - 1``, one leaf is alive at a time (25 MB at most at 28M parameters, memory
-    the allocator reuses), and the unscale multiply rides in the write that happens anyway. The
-    result is bit-identical to the plain sum: the running total only becomes NaN where the plain
-    sum is NaN from then on, and ``inf`` is kept as ``inf``. Elsewhere (GPUs, TPUs), where XLA
-    fuses the multiply into the reduction and a conditional would wait for the host, it is the
-    branch-free sum. Either way the values are those of ``branch_free=True``.
+    * **In memory** (a jit input, a concrete array, or a ``lax.scan``/``while_loop`` output, such
+      as gradients summed over micro-batches): :func:`sum_of_unscaled_squares`, one read of each
+      leaf and nothing written.
+    * **Computed by the same XLA program** (the backward pass): XLA:CPU never fuses an
+      element-wise producer into a reduction, so every such gradient is written out before it is
+      summed, and its default scheduler runs all 148 writes (at 28M parameters) before the first
+      sum, so they are alive together: 112 MB of temporary memory that is fresh (page-faulted)
+      on every call. So each leaf's unscaled values go through ``where(isnan(total_so_far), nan,
+      g * inv)`` before they are squared and summed, ``total_so_far`` being the sum over the
+      leaves before it. A select is not fused into the reduction, so the write of leaf ``i``
+      waits for the sum of leaf ``i - 1``, one leaf is alive at a time (memory the allocator
+      reuses), and the unscale multiply rides in the write that happens anyway. The result is
+      bit-identical to the branch-free sum: the running total only becomes NaN where the plain
+      sum is NaN from then on, and ``inf`` is kept as ``inf``.
+
+    The source is read from the tracer at trace time (JAX's jaxpr tracer records the equation
+    that made a value; an input has none); a leaf whose source cannot be told counts as computed.
+    For a power-of-two scale (every dynamic scale, unless ``init_scale`` is not one) both reads
+    give the bits of ``branch_free=True``. Elsewhere (GPUs, TPUs), where XLA fuses the multiply
+    into the reduction and a conditional would wait for the host, it is the branch-free sum.
     """
     inv = jnp.asarray(inv_scale, jnp.float32)
     leaves = _float_leaves(grads)
     if not leaves:
         return jnp.zeros((), jnp.float32)
-    return jax.lax.platform_dependent(leaves, inv, cpu=_chained_squares, default=_fused_squares)
+    in_memory = [_in_memory(g) for g in leaves]
+    cpu: Callable[[list[jax.Array], jax.Array], jax.Array]
+    if all(in_memory):
+        cpu = sum_of_unscaled_squares
+    elif any(in_memory):
+        cpu = functools.partial(_mixed_squares, in_memory=tuple(in_memory))
+    else:
+        cpu = _chained_squares
+    return jax.lax.platform_dependent(leaves, inv, cpu=cpu, default=_fused_squares)
+
+
+_WRITTEN_TO_MEMORY = frozenset({"scan", "while"})
+"""Primitives whose outputs XLA:CPU writes to memory (loop carries), not fusible producers."""
+
+
+def _in_memory(leaf: Any) -> bool:
+    """Whether ``leaf`` is in memory before the step reads it (see the caller's docstring)."""
+    if not isinstance(leaf, jax.core.Tracer):
+        return True
+    if not hasattr(leaf, "parent"):  # not a jaxpr tracer (grad, vmap): assume computed
+        return False
+    parent = leaf.parent
+    return parent is None or getattr(parent.primitive, "name", None) in _WRITTEN_TO_MEMORY
+
+
+def _mixed_squares(
+    leaves: list[jax.Array], inv: jax.Array, *, in_memory: tuple[bool, ...]
+) -> jax.Array:
+    # The leaves in memory read once, the computed ones chained.
+    stored = [g for g, m in zip(leaves, in_memory, strict=True) if m]
+    computed = [g for g, m in zip(leaves, in_memory, strict=True) if not m]
+    return sum_of_unscaled_squares(stored, inv) + _chained_squares(computed, inv)
 
 
 def _unscaled_f32(grad: jax.Array, inv: jax.Array) -> jax.Array:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import sys
+import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -48,15 +52,16 @@ class LossScaledState(NamedTuple):
 
 
 def with_loss_scaling(
-    inner: optax.GradientTransformation, config: LossScaleConfig
+    inner: optax.GradientTransformation | optax.MultiSteps, config: LossScaleConfig
 ) -> optax.GradientTransformation:
     """Wraps an optax transformation so that it consumes gradients of the *scaled* loss.
 
     ``update`` checks the gradients for overflow (their global norm, summed one leaf after the
     other), then unscales them (clipping them with DLS + GCC) inside ``inner.update``'s own
-    passes. Gradients computed in the same jitted step cost one write and two reads each for the
-    check, the least XLA:CPU allows; gradients already in memory (jit inputs) are copied once
-    more. On overflow the inner state comes back untouched
+    passes. The check reads each gradient as its source allows: gradients computed in the same
+    jitted step cost one write and two reads each, one alive at a time (the least XLA:CPU
+    allows); gradients already in memory (jit inputs, the output of a ``lax.scan`` that
+    accumulated them) are read once. On overflow the inner state comes back untouched
     (bit for bit) and the updates are ``-0.0``, so that ``optax.apply_updates`` leaves every
     parameter bit-identical (``x + -0.0 == x`` for every ``x``, signed zeros and NaN included).
     The scaler state advances on every step either way; static scaling never skips.
@@ -67,16 +72,47 @@ def with_loss_scaling(
     unscaling, the optimizer and ``optax.apply_updates`` into in-place passes, as for the plain
     optimizer (see the docs' Performance page, docs/performance.md).
 
+    **Composition.** The loss scaler wraps everything that reads gradient values: whatever runs
+    before it sees the *scaled* gradients. ``optax.chain(optax.clip_by_global_norm(1.0),
+    with_loss_scaling(tx, config))`` clips gradients that are ``loss_scale`` times too large
+    (at a scale of ``2**10`` an update ~1000 times too small, silently); write
+    ``with_loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), tx), config)``, or set
+    ``max_gradient_norm`` in ``config`` to clip in the check's own pass. ``init`` warns
+    (``UserWarning``) when the scaler is not the first element of an ``optax.chain``; it cannot
+    tell more (a chain's elements are closures, and one linear in the gradients, such as
+    ``optax.scale``, is harmless there), so it does not raise.
+
+    **Gradient accumulation.** An accumulated step is one step of the scaler: an inf or NaN in
+    any micro-batch skips the whole accumulated step, the scale changes once per accumulated
+    step, and the next accumulated step starts from a clean accumulator (torch's rule). Sum the
+    scaled micro-batch gradients (``lax.scan`` or a loop, every micro-batch scaled by the scale
+    read at the step's start) and call ``update`` once; or pass an ``optax.MultiSteps`` (the
+    object or its ``gradient_transformation()``) as ``inner``: then every ``update`` call takes
+    one micro-batch, the check runs on the accumulated gradients at every ``k``-th call, and
+    the accumulator is reset by a select, so that an overflowed accumulated step leaves no inf
+    or NaN behind (MultiSteps' own reset multiplies by zero, and ``0 * inf`` is NaN). The state
+    is then MultiSteps' own, with the :class:`LossScaledState` as its ``inner_opt_state``.
+    The other order, ``optax.MultiSteps(with_loss_scaling(tx, config), k)``, cannot hold the
+    rule: the wrapped transformation never reaches MultiSteps' accumulator, so one overflowed
+    step would leave NaN in it and skip every step after it. ``init`` raises ``ValueError``
+    when it finds itself inside ``optax.MultiSteps.init``. A MultiSteps with a
+    ``should_skip_update_fn`` is refused too: it would drop overflowed micro-batches before the
+    scaler sees them, so the scale would never come down.
+
     Args:
-        inner: any gradient transformation, e.g. ``optax.adamw(1e-3)``.
+        inner: any gradient transformation, e.g. ``optax.adamw(1e-3)``, or an
+            ``optax.MultiSteps``.
         config: the loss-scaling configuration.
 
     Returns:
-        A transformation whose state is a :class:`LossScaledState`.
+        A transformation whose state is a :class:`LossScaledState` (an
+        ``optax.MultiStepsState`` holding one when ``inner`` is a MultiSteps).
 
     Raises:
         TypeError: ``inner`` is not an optax transformation, or ``config`` not a loss-scaling
             configuration.
+        ValueError: ``inner`` is a MultiSteps with a ``should_skip_update_fn``; or (from
+            ``init``) the transformation is inside ``optax.MultiSteps``.
 
     Example:
         >>> import amp_core, jax, jax.numpy as jnp, optax
@@ -95,18 +131,49 @@ def with_loss_scaling(
         >>> params, opt_state = train_step(params, opt_state)
         >>> params["w"]
         Array([0.8, 0.8, 0.8], dtype=float32)
+
+        Accumulating two micro-batches with ``optax.MultiSteps``; the second overflows, so the
+        accumulated step is skipped and the scale halves once:
+
+        >>> acc_tx = amp_core.with_loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2), cfg)
+        >>> acc_state = acc_tx.init(params)
+        >>> for micro_batch in (jnp.ones(3), jnp.full(3, jnp.inf)):
+        ...     updates, acc_state = acc_tx.update({"w": micro_batch}, acc_state, params)
+        >>> scaler = amp_core.loss_scale_state(acc_state)
+        >>> float(scaler.loss_scale), int(scaler.num_skipped_steps), acc_state.acc_grads["w"]
+        (512.0, 1, Array([0., 0., 0.], dtype=float32))
     """
-    if not isinstance(inner, optax.GradientTransformation):
+    multi_steps = _multi_steps_of(inner)
+    if multi_steps is None and not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
-            f"inner must be an optax.GradientTransformation; got {type(inner).__name__}"
+            "inner must be an optax.GradientTransformation or an optax.MultiSteps; "
+            f"got {type(inner).__name__}"
         )
     if not isinstance(config, (DynamicLossScale, StaticLossScale)):
         raise TypeError(
             "config must be an amp_core.DynamicLossScale or StaticLossScale; "
             f"got {type(config).__name__}"
         )
+    if multi_steps is not None:
+        return _accumulating(multi_steps, config)
+    assert isinstance(inner, optax.GradientTransformation)  # for mypy: checked above
+    return _loss_scaled(inner, config, inside_multi_steps=False)
+
+
+def _loss_scaled(
+    inner: optax.GradientTransformation, config: LossScaleConfig, *, inside_multi_steps: bool
+) -> optax.GradientTransformationExtraArgs:
+    """The transformation of :func:`with_loss_scaling` for an ``inner`` that is not MultiSteps.
+
+    ``inside_multi_steps``: made by :func:`_accumulating` to run inside its own MultiSteps,
+    whose accumulator it resets cleanly; every other instance refuses to be initialized inside
+    ``optax.MultiSteps``.
+    """
 
     def init_fn(params: optax.Params) -> LossScaledState:
+        if not inside_multi_steps:
+            _refuse_inside_multi_steps()
+            _warn_if_chained_after_others()
         return LossScaledState(scaler=init(config), inner_state=inner.init(params))
 
     def update_fn(
@@ -118,7 +185,169 @@ def with_loss_scaling(
         _check_opt_state("state", state)
         return _scaled_update(inner, config, updates, state, params, extra_args)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _multi_steps_of(inner: Any) -> optax.MultiSteps | None:
+    """The ``optax.MultiSteps`` that ``inner`` is, or whose ``gradient_transformation()`` it is."""
+    if isinstance(inner, optax.MultiSteps):
+        return inner
+    if isinstance(inner, optax.GradientTransformation):
+        owner = getattr(inner.update, "__self__", None)
+        if isinstance(owner, optax.MultiSteps) and inner.update == owner.update:
+            return owner
+    return None
+
+
+_MULTI_STEPS_INIT = optax.MultiSteps.init.__code__
+
+
+def _refuse_inside_multi_steps() -> None:
+    """Raises if an ``optax.MultiSteps.init`` is on the call stack (``init`` is called once).
+
+    The wrapped transformation cannot see MultiSteps' accumulator, whose reset (a multiply by
+    zero) keeps the NaN of an overflowed accumulated step: the order cannot hold the rule.
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _MULTI_STEPS_INIT:
+            raise ValueError(
+                "optax.MultiSteps(amp_core.with_loss_scaling(tx, config), k) cannot hold the "
+                "loss scaler's accumulation rule: MultiSteps resets its accumulator by "
+                "multiplying it by zero, which keeps the NaN of an overflowed accumulated step, "
+                "so every later step would be skipped. Put the scaler outside: "
+                "amp_core.with_loss_scaling(optax.MultiSteps(tx, k), config)"
+            )
+        frame = frame.f_back
+
+
+def _chain_init_generator() -> types.CodeType | None:
+    """The code of the generator that ``optax.chain``'s ``init`` runs its elements' inits in."""
+    code = getattr(optax.chain(optax.identity()).init, "__code__", None)
+    found = [c for c in (code.co_consts if code else ()) if isinstance(c, types.CodeType)]
+    return found[0] if len(found) == 1 else None
+
+
+_CHAIN_INIT_GENERATOR = _chain_init_generator()
+
+
+def _warn_if_chained_after_others() -> None:
+    """Warns if an ``optax.chain`` on the call stack runs other transformations before this one.
+
+    They receive the *scaled* gradients: ``optax.chain(optax.clip_by_global_norm(1.0),
+    with_loss_scaling(tx, config))`` clips gradients ``loss_scale`` times too large. Found from
+    ``init`` (called once) by the element the chain's generator is initializing; a warning, not
+    an error, because a transformation that is linear in the gradients (``optax.scale``) is
+    harmless there. Where optax's chain is built otherwise, nothing is found and nothing warned.
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None and _CHAIN_INIT_GENERATOR is not None:
+        if frame.f_code is _CHAIN_INIT_GENERATOR and frame.f_back is not None:
+            current = frame.f_locals.get("fn")
+            elements = frame.f_back.f_locals.get("init_fns", ())
+            position = next((i for i, fn in enumerate(elements) if fn is current), 0)
+            if position > 0:
+                warnings.warn(
+                    f"amp_core.with_loss_scaling is element {position} of an optax.chain: the "
+                    f"{position} transformation(s) before it receive the *scaled* gradients "
+                    "(a clip_by_global_norm there clips gradients loss_scale times too large). "
+                    "Put them inside the scaler: amp_core.with_loss_scaling(optax.chain(..., "
+                    "tx), config), or clip with DynamicLossScale(max_gradient_norm=...)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
+        frame = frame.f_back
+
+
+def _accumulating(
+    multi_steps: optax.MultiSteps, config: LossScaleConfig
+) -> optax.GradientTransformationExtraArgs:
+    """``with_loss_scaling(multi_steps, config)``: MultiSteps over the loss-scaled inner.
+
+    MultiSteps accumulates the scaled micro-batch gradients and calls its inner transformation
+    (here the loss-scaled one) on the accumulated gradients, keeping the inner state (the
+    scaler's included) only at every ``k``-th call: the check and the scaler's update take
+    effect once per accumulated step. Its accumulator reset, ``(1 - emit) * acc``, is replaced
+    by ``where(emitted, 0, acc)``, so that the NaN of an overflowed step does not carry over.
+    """
+    if not _is_default_skip_fn(getattr(multi_steps, "_should_skip_update_fn", None)):
+        raise ValueError(
+            "with_loss_scaling takes the skip decision itself: an optax.MultiSteps with a "
+            "should_skip_update_fn would drop overflowed micro-batches before the loss scaler "
+            "sees them, and the scale would never come down; build the MultiSteps without "
+            "should_skip_update_fn"
+        )
+    scaled = _loss_scaled(multi_steps.inner_opt, config, inside_multi_steps=True)
+    # The same MultiSteps (schedule, mean or sum, accumulator dtype) over the loss-scaled inner.
+    accumulator = copy.copy(multi_steps)
+    accumulator._opt = scaled  # optax.MultiSteps keeps its inner transformation in ``_opt``
+
+    def init_fn(params: optax.Params) -> optax.MultiStepsState:
+        _refuse_inside_multi_steps()
+        _warn_if_chained_after_others()
+        return accumulator.init(params)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.MultiStepsState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.MultiStepsState]:
+        if not isinstance(state, optax.MultiStepsState):
+            raise TypeError(
+                "state must be the optax.MultiStepsState made by with_loss_scaling(MultiSteps, "
+                f"config).init; got {type(state).__name__}"
+            )
+        new_updates, new_state = accumulator.update(updates, state, params, **extra_args)
+        emitted = new_state.mini_step == 0
+        clean = jax.tree_util.tree_map(
+            lambda acc: jnp.where(emitted, jnp.zeros_like(acc), acc), new_state.acc_grads
+        )
+        return new_updates, new_state._replace(acc_grads=clean)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_default_skip_fn(fn: Any) -> bool:
+    """Whether ``fn`` is the never-skip function MultiSteps puts in place of ``None``."""
+    return getattr(fn, "__qualname__", None) == "MultiSteps.__init__.<locals>.should_skip_update_fn"
+
+
+def step_applied(opt_state: Any) -> jax.Array:
+    """Whether the last ``update`` applied an optimizer step (0-d bool; jittable).
+
+    ``loss_scale_state(opt_state).isfinite``, and, for the state of
+    ``with_loss_scaling(optax.MultiSteps(...), config)``, only at the end of an accumulated
+    step (MultiSteps' ``mini_step`` back to 0): a micro-batch that only accumulates applies
+    nothing. Static scaling applies every step it ends.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp, optax
+        >>> cfg = amp_core.DynamicLossScale()
+        >>> tx = amp_core.with_loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2), cfg)
+        >>> state = tx.init(jnp.zeros(2))
+        >>> _, state = tx.update(jnp.ones(2), state)
+        >>> bool(amp_core.step_applied(state))
+        False
+        >>> _, state = tx.update(jnp.ones(2), state)
+        >>> bool(amp_core.step_applied(state))
+        True
+    """
+    tree = opt_state
+    if not isinstance(opt_state, (tuple, list, Mapping)) and hasattr(opt_state, "opt_state"):
+        tree = opt_state.opt_state
+    applied = loss_scale_state(tree).isfinite
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=_is_multi_steps_state)
+    for node in nodes:
+        if isinstance(node, optax.MultiStepsState):
+            mini_step = _plain_field("mini_step", node.mini_step)
+            applied = jnp.logical_and(applied, mini_step == 0)
+    return applied
+
+
+def _is_multi_steps_state(node: Any) -> bool:
+    return isinstance(node, optax.MultiStepsState)
 
 
 def _scaled_update(
@@ -131,7 +360,7 @@ def _scaled_update(
 ) -> tuple[optax.Updates, LossScaledState]:
     """The update of :func:`with_loss_scaling` (and of :func:`apply_scaled_gradients`).
 
-    The check reads the gradients one leaf after the other
+    The check reads each gradient as its source allows
     (:func:`amp_core.scaling._in_step_sum_of_unscaled_squares`), the unscale multiply (and the
     clip coefficient) then fuse into the inner update's passes, and on overflow
     :func:`_update_or_keep` keeps the old state and returns ``-0.0`` updates.
@@ -298,7 +527,7 @@ def apply_scaled_gradients(
 
     Does what ``tx = with_loss_scaling(inner, config)``, ``tx.update`` and
     ``optax.apply_updates`` do together, with the same state (``tx.init(params)``) and the same
-    dataflow: the check reads the gradients one leaf after the other, and the unscaling, the
+    dataflow: the check reads each gradient as its source allows, and the unscaling, the
     inner update and the parameter update fuse into the optimizer's own passes, each new state
     leaf selected against the old one where it is defined. A skipped step leaves the
     parameters and the inner state bit-identical (the optimizer's arithmetic is done and
@@ -319,6 +548,10 @@ def apply_scaled_gradients(
     Returns:
         ``(new_params, new_opt_state)``.
 
+    Raises:
+        TypeError: ``inner`` is an ``optax.MultiSteps`` (one call is one whole step: sum the
+            micro-batch gradients first), or ``opt_state`` is not a :class:`LossScaledState`.
+
     Example:
         >>> import amp_core, jax, jax.numpy as jnp, optax
         >>> cfg, inner = amp_core.DynamicLossScale(init_scale=2.0**10), optax.sgd(0.1)
@@ -334,6 +567,14 @@ def apply_scaled_gradients(
         >>> params["w"]
         Array([0.8, 0.8, 0.8], dtype=float32)
     """
+    if _multi_steps_of(inner) is not None:
+        raise TypeError(
+            "apply_scaled_gradients takes one whole step and cannot accumulate over calls; got "
+            "an optax.MultiSteps as inner. Sum the scaled micro-batch gradients and call "
+            "apply_scaled_gradients once per accumulated step, or use "
+            "tx = amp_core.with_loss_scaling(optax.MultiSteps(inner, k), config) with "
+            "tx.update and optax.apply_updates"
+        )
     _check_opt_state("opt_state", opt_state)
     with_grads = _params_with_gradients(grads, params)
     updates, state = _scaled_update(inner, config, grads, opt_state, with_grads, {})

@@ -577,6 +577,7 @@ class _Run:
             "tensors": len(shape_list(spec)),
             "params": parameter_count(spec),
             "tokens": step_bench.TOKENS,
+            "micro_batches": step_bench.MICRO_BATCHES,
             "versions": step_bench.peer_versions(),
             "rows": [],
             "checks": [],

@@ -11,6 +11,10 @@ parameters in 148 leaves). Two losses:
 * ``synthetic loss`` (:func:`synthetic_loss`): ``0.5 * sum(p16**2)`` per leaf, whose gradient is
   element-wise in the parameters, so that XLA fuses the backward into the optimizer's passes:
   the step is the optimizer's memory traffic alone.
+* ``real forward, 4 micro-batches`` (:data:`ACCUMULATED`): the real forward on 4 micro-batches,
+  their gradients summed in a ``lax.scan``, then one update (gradient accumulation in one jit;
+  flax's ``DynamicScale`` and mpx cannot take one decision over several micro-batches and are
+  left out of it).
 
 The variants (:data:`VARIANTS`): plain optax AdamW; the floor, plain AdamW plus the gradients'
 global sum of squares returned and unused (what computing a global norm costs on its own); the
@@ -45,8 +49,15 @@ from benchmarks.torch_bench import LEARNING_RATE, LOSS_SCALE, NEVER
 TOKENS = 64
 """Tokens of the real forward (one sequence)."""
 
-LOSSES = ("real forward", "synthetic loss")
-"""The two losses, each timed as its own interleaved group."""
+MICRO_BATCHES = 4
+"""Micro-batches of the accumulated step."""
+
+ACCUMULATED = f"real forward, {MICRO_BATCHES} micro-batches"
+"""The accumulated step: the real forward's gradients summed over :data:`MICRO_BATCHES`
+micro-batches in a ``lax.scan`` (each loss divided by the count), then one update."""
+
+LOSSES = ("real forward", "synthetic loss", ACCUMULATED)
+"""The losses, each timed as its own interleaved group."""
 
 PLAIN = "optax adamw"
 FLOOR = "plain + global norm (floor)"
@@ -62,6 +73,23 @@ SCALERS = (WITH_LOSS_SCALING, APPLY_SCALED, JMP, FLAX, MPX)
 
 VARIANTS = (PLAIN, FLOOR, GATED_FLOOR, *SCALERS)
 """Every timed variant, in table order."""
+
+ACCUMULATING = (PLAIN, FLOOR, GATED_FLOOR, WITH_LOSS_SCALING, APPLY_SCALED, JMP)
+"""The variants of the accumulated step. flax's ``DynamicScale`` and mpx take the gradient
+inside their own ``value_and_grad``, which decides (and adjusts the scale) on every call: they
+cannot take one decision over several micro-batches."""
+
+
+def variants_of(loss: str) -> tuple[str, ...]:
+    """The variants timed on ``loss``.
+
+    Example:
+        >>> from benchmarks import step_bench
+        >>> step_bench.variants_of(step_bench.ACCUMULATED) == step_bench.ACCUMULATING
+        True
+    """
+    return ACCUMULATING if loss == ACCUMULATED else VARIANTS
+
 
 PEER_PACKAGES = {JMP: "jmp", FLAX: "flax", MPX: "mixed-precision-for-JAX"}
 """The distribution each peer comes from (its version goes into the report)."""
@@ -146,10 +174,12 @@ def make_params(spec: SizeSpec, seed: int = 0) -> dict[str, np.ndarray]:
     return params
 
 
-def make_tokens(spec: SizeSpec, seed: int = 0) -> jax.Array:
-    """``TOKENS + 1`` random token ids: the inputs and their next-token targets."""
+def make_tokens(spec: SizeSpec, seed: int = 0, micro_batches: int | None = None) -> jax.Array:
+    """``TOKENS + 1`` random token ids: the inputs and their next-token targets; with
+    ``micro_batches``, that many such rows (``[micro_batches, TOKENS + 1]``)."""
     rng = np.random.default_rng(seed + 1)
-    return jnp.asarray(rng.integers(0, spec.vocab, TOKENS + 1), jnp.int32)
+    shape = (TOKENS + 1,) if micro_batches is None else (micro_batches, TOKENS + 1)
+    return jnp.asarray(rng.integers(0, spec.vocab, shape), jnp.int32)
 
 
 def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
@@ -199,7 +229,27 @@ def synthetic_loss(params: Params, tokens: jax.Array) -> jax.Array:
     return total
 
 
-LOSS_FUNCTIONS: dict[str, Loss] = {"real forward": real_loss, "synthetic loss": synthetic_loss}
+LOSS_FUNCTIONS: dict[str, Loss] = {
+    "real forward": real_loss,
+    "synthetic loss": synthetic_loss,
+    ACCUMULATED: real_loss,
+}
+
+
+def _grad(loss: Loss, params: Params, batch: jax.Array) -> Params:
+    """``jax.grad(loss)(params, batch)``; for a batch of micro-batches (2-d tokens), the sum
+    over a ``lax.scan`` of the gradients of ``loss(params, micro_batch) / count``: one
+    accumulated step's gradients, as torch's ``scale(loss / k).backward()`` loop sums them."""
+    if jnp.ndim(batch) != 2:
+        return jax.grad(loss)(params, batch)
+    count = batch.shape[0]
+
+    def micro_batch(acc: Params, tokens: jax.Array) -> tuple[Params, None]:
+        grads = jax.grad(lambda p: loss(p, tokens) / count)(params)
+        return jax.tree_util.tree_map(jnp.add, acc, grads), None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    return jax.lax.scan(micro_batch, zeros, batch)[0]
 
 
 # --- The scalers ---------------------------------------------------------------------------
@@ -282,7 +332,7 @@ class _Plain(Runner):
 
         def step(params: Params, opt_state: Any, batch: Any) -> tuple[Any, ...]:
             self._traced()
-            grads = jax.grad(loss)(params, batch)
+            grads = _grad(loss, params, batch)
             if norm is None:
                 updates, opt_state = tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
@@ -334,7 +384,7 @@ class _AmpCore(Runner):
         def step(params: Params, opt_state: Any, batch: Any) -> tuple[Any, Any]:
             self._traced()
             scaler = amp_core.loss_scale_state(opt_state)
-            grads = jax.grad(lambda p: amp_core.scale_loss(scaler, loss(p, batch)))(params)
+            grads = _grad(lambda p, b: amp_core.scale_loss(scaler, loss(p, b)), params, batch)
             if fused_apply:
                 return amp_core.apply_scaled_gradients(inner, config, grads, opt_state, params)
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -376,7 +426,7 @@ class _Jmp(Runner):
 
         def step(params: Params, opt_state: Any, loss_scale: Any, batch: Any) -> tuple[Any, ...]:
             self._traced()
-            grads = jax.grad(lambda p: loss_scale.scale(loss(p, batch)))(params)
+            grads = _grad(lambda p, b: loss_scale.scale(loss(p, b)), params, batch)
             grads = loss_scale.unscale(grads)
             grads_finite = jmp.all_finite(grads)
             loss_scale = loss_scale.adjust(grads_finite)
@@ -541,7 +591,7 @@ def run_group(
     counter: CompileCounter,
     on_round: Callable[[], object] = lambda: None,
     seed: int = 0,
-    variants: tuple[str, ...] = VARIANTS,
+    variants: tuple[str, ...] | None = None,
 ) -> StepGroup:
     """Times every variant's whole train step on ``loss``, interleaved.
 
@@ -552,10 +602,12 @@ def run_group(
         counter: a listening compile counter.
         on_round: progress callback, once per round.
         seed: seeds the parameters and tokens.
-        variants: which of :data:`VARIANTS` to time.
+        variants: which of :data:`VARIANTS` to time (default :func:`variants_of` ``loss``).
     """
     params = make_params(spec, seed)
-    tokens = make_tokens(spec, seed)
+    accumulated = loss == ACCUMULATED
+    tokens = make_tokens(spec, seed, MICRO_BATCHES if accumulated else None)
+    variants = variants_of(loss) if variants is None else variants
     loss_fn = LOSS_FUNCTIONS[loss]
     runners: dict[str, Runner] = {}
 

@@ -75,6 +75,7 @@ def test_the_readme_and_the_guides_have_code_to_run():
         "docs/jax/flax-nnx.md",
         "docs/jax/flax-linen.md",
         "docs/jax/equinox.md",
+        "docs/jax/accumulation.md",
         "docs/jax/checkpoints.md",
         "docs/jax/sharding.md",
         "docs/pytorch/index.md",

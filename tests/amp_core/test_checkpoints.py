@@ -82,7 +82,7 @@ def trained_optax(steps: int = BEFORE):
 
 def test_optax_tree_get_finds_the_current_scale_and_the_counters():
     params, opt_state = trained_optax()
-    tx = optax.chain(optax.clip(10.0), TX)  # nested, as optax users build optimizers
+    tx = optax.chain(TX, optax.clip(10.0))  # nested, as optax users build optimizers
     chained = tx.init(params)
     scaler = amp_core.loss_scale_state(opt_state)
     assert int(scaler.num_skipped_steps) >= 3  # the run overflowed

@@ -19,7 +19,12 @@ import pytest
 from amp_helpers import assert_bitwise_equal
 
 import amp_core
-from amp_core.scaling import _chained_squares, _fused_squares, _in_step_sum_of_unscaled_squares
+from amp_core.scaling import (
+    _chained_squares,
+    _fused_squares,
+    _in_memory,
+    _in_step_sum_of_unscaled_squares,
+)
 
 DTYPE_PROMOTION = "standard"  # optax's adamw (see test_optax.py)
 
@@ -36,13 +41,30 @@ def leaves_of(seed: int) -> dict:
     }
 
 
+def computed(grads):
+    """``grads`` recomputed inside the traced function (``jnp.negative`` twice): values the step makes."""
+    return jax.tree_util.tree_map(lambda g: jnp.negative(jnp.negative(g)), grads)
+
+
+def in_step_sum_of(source: str):
+    """``_in_step_sum_of_unscaled_squares`` over leaves computed in the step, passed into it as
+    jit inputs, or given eagerly (concrete arrays)."""
+    if source == "computed":
+        return jax.jit(lambda g, inv: _in_step_sum_of_unscaled_squares(computed(g), inv))
+    if source == "jit inputs":
+        return jax.jit(_in_step_sum_of_unscaled_squares)
+    return _in_step_sum_of_unscaled_squares
+
+
 @pytest.mark.parametrize("inv", [2.0**-10, 1.0 / 3.0, 1.0])
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_equals_the_branch_free_sum_bit_for_bit(inv, jit):
+@pytest.mark.parametrize("source", ["computed", "jit inputs", "eager"])
+def test_equals_the_plain_sums_bit_for_bit(inv, source):
+    """Computed leaves give the branch-free sum's bits (the chain); leaves in memory the one-read
+    sum's (for a power-of-two scale the two are the same bits)."""
     grads = leaves_of(0)
-    fn = jax.jit(_in_step_sum_of_unscaled_squares) if jit else _in_step_sum_of_unscaled_squares
-    total = fn(grads, jnp.float32(inv))
-    expected = amp_core.sum_of_unscaled_squares(grads, jnp.float32(inv), branch_free=True)
+    total = in_step_sum_of(source)(grads, jnp.float32(inv))
+    branch_free = source == "computed"
+    expected = amp_core.sum_of_unscaled_squares(grads, jnp.float32(inv), branch_free=branch_free)
     assert_bitwise_equal(total, expected)
     oracle = sum(
         np.sum(
@@ -54,6 +76,39 @@ def test_equals_the_branch_free_sum_bit_for_bit(inv, jit):
         for g in jax.tree_util.tree_leaves(grads)
     )
     np.testing.assert_allclose(float(total), oracle, rtol=1e-6)
+
+
+def test_leaves_in_memory_and_computed_ones_mix():
+    grads = leaves_of(3)
+    inv = jnp.float32(2.0**-6)
+
+    def half_computed(g, inv):
+        return _in_step_sum_of_unscaled_squares(
+            {**g, "big": jnp.negative(jnp.negative(g["big"]))}, inv
+        )
+
+    total = jax.jit(half_computed)(grads, inv)
+    np.testing.assert_allclose(
+        float(total), float(amp_core.sum_of_unscaled_squares(grads, inv)), rtol=1e-6
+    )
+    poisoned = {**grads, "vector": grads["vector"].at[0].set(jnp.inf)}
+    assert float(jax.jit(half_computed)(poisoned, inv)) == np.inf
+
+
+def test_where_the_leaves_come_from_is_read_from_the_tracer():
+    seen = {}
+
+    def step(x):
+        seen["input"] = _in_memory(x)
+        seen["computed"] = _in_memory(x * 2)
+        total, _ = jax.lax.scan(lambda acc, y: (acc + y, None), x, jnp.stack([x, x]))
+        seen["scan output"] = _in_memory(total)
+        jax.grad(lambda y: jnp.sum(y * (seen.setdefault("under grad", _in_memory(y)) + 1)))(x)
+        return total
+
+    jax.jit(step)(jnp.ones(3))
+    assert seen == {"input": True, "computed": False, "scan output": True, "under grad": False}
+    assert _in_memory(jnp.ones(3)) and _in_memory(np.ones(3))
 
 
 def test_power_of_two_scale_gives_the_default_sum_bit_for_bit():
@@ -100,11 +155,15 @@ def test_both_platform_branches_agree_and_an_empty_tree_sums_to_zero():
     assert float(_in_step_sum_of_unscaled_squares({"step": jnp.int32(3)}, inv)) == 0.0
 
 
-@pytest.mark.parametrize(("platform", "selects"), [("cpu", True), ("cuda", False)])
-def test_the_chain_is_lowered_for_the_cpu_only(platform, selects):
-    """Exported for a GPU (no GPU needed), the sum is the branch-free one: no select chain."""
+@pytest.mark.parametrize(
+    ("platform", "source", "selects"),
+    [("cpu", "computed", True), ("cpu", "jit inputs", False), ("cuda", "computed", False)],
+)
+def test_the_chain_is_lowered_for_computed_leaves_on_the_cpu_only(platform, source, selects):
+    """Exported for a GPU (no GPU needed), the sum is the branch-free one: no select chain; on
+    the CPU gradients passed in are read once, without the chain's copies."""
     grads = [jnp.ones((8, 4), jnp.float32), jnp.ones(3, jnp.float32)]
-    exported = jax.export.export(jax.jit(_in_step_sum_of_unscaled_squares), platforms=[platform])(
+    exported = jax.export.export(in_step_sum_of(source), platforms=[platform])(
         grads, jnp.float32(0.5)
     )
     text = exported.mlir_module()

@@ -103,7 +103,7 @@ def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
         | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.WHOLE_VARIANTS}
         | {("ddp", DDP_GROUP, v) for v in whole_bench.VARIANTS}
         | {("host", o, v) for o in host_bench.OPTIMIZERS for v in host_bench.VARIANTS}
-        | {("step", loss, v) for loss in step_bench.LOSSES for v in step_bench.VARIANTS}
+        | {("step", loss, v) for loss in step_bench.LOSSES for v in step_bench.variants_of(loss)}
     )
     cases = results["cases"]
     assert {(c["section"], c["group"], c["variant"]) for c in cases} == expected
@@ -235,7 +235,11 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         | {("ddp", f"{v}, DDP, {DDP_GROUP}") for v in facades}
         | {("jax", v) for v in jax_bench.VARIANTS}
         | {("host", f"facade, {o}") for o in host_bench.OPTIMIZERS}
-        | {("step", f"{v}, {loss}") for loss in step_bench.LOSSES for v in step_bench.VARIANTS}
+        | {
+            ("step", f"{v}, {loss}")
+            for loss in step_bench.LOSSES
+            for v in step_bench.variants_of(loss)
+        }
     )
     for row in results["compile"]:
         assert row["compiles_after_warmup"] == 0
@@ -586,7 +590,7 @@ def test_step_section_has_every_row_check_and_note(results: dict[str, Any], mark
     assert all(v for v in step["versions"].values())  # the bench extra is installed
     rows = step["rows"]
     assert {(r["loss"], r["variant"]) for r in rows} == {
-        (loss, v) for loss in step_bench.LOSSES for v in step_bench.VARIANTS
+        (loss, v) for loss in step_bench.LOSSES for v in step_bench.variants_of(loss)
     }
     for row in rows:
         for key in ("ms", "ratio_plain", "ratio_floor", "ratio_gated_floor"):
