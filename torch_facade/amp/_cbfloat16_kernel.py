@@ -6,8 +6,8 @@ derivations. A torch model previewed under ``cstorch.amp.cbfloat16_numerics`` ro
 parameter and activation, forward and backward: about 200 roundings per iteration of a small
 GPT-2. Through JAX each one crossed DLPack twice, dispatched a jitted call and switched between
 torch's and XLA's thread pools, which made the preview about 2x a float32 iteration. Done here,
-the rounding is nine element-wise torch operations on the tensor's own device, with no
-crossing.
+the rounding is six element-wise torch operations on the tensor's own device (nine where some
+value is ``2**31`` or more, or not finite), with no crossing.
 ``tests/torch_facade/test_cbfloat16_kernel.py`` holds this kernel to the JAX rounding bit for
 bit: every cbfloat16 code, every rounding tie, float32 subnormals, infs and NaNs, and random
 float32 bit patterns (10**7 in all). ``hardware`` stays the specification; a change of the
@@ -25,8 +25,10 @@ doing the rounding itself:
    quantum, to nearest even; the subtraction is exact.
 3. ``* 2**96 * 2**-96``: exact for every value below ``2**32``; the values from ``2**32`` up
    (past the largest cbfloat16, ``(2 - 2**-9) * 2**31``) become inf.
-4. The bits clamped at the quiet NaN's (a NaN's addition leaves its quiet bit set), then
-   ``copysign`` with ``x``.
+4. The bits clamped at the quiet NaN's (a NaN's addition leaves its quiet bit set). Steps 3
+   and 4 change nothing unless some ``|x|`` is ``2**31`` or more (inf and NaN included): on the
+   CPU, one read of the exponents decides whether they run.
+5. ``copysign`` with ``x``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def _field(exponent: int) -> int:
 _LOWEST_FIELD = _field(_LOWEST_EXPONENT)
 _HIGHEST_FIELD = _field(_HIGHEST_EXPONENT)
 _CARRIER = 2.0**_DROPPED_BITS  # the carrier is 2**e (the clamped exponent bits) times this
+_MAY_OVERFLOW_FIELD = _field(_HIGHEST_EXPONENT - 1)  # below 2**31 nothing rounds to 2**32
 
 
 def round_float32(x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +74,21 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
     """
     bits = x.view(torch.int32)
-    power = (bits & _EXPONENT).clamp_(_LOWEST_FIELD, _HIGHEST_FIELD).view(torch.float32)
+    power_bits = (bits & _EXPONENT).clamp_(_LOWEST_FIELD, _HIGHEST_FIELD)
+    power = power_bits.view(torch.float32)
     rounded = (bits & _ABS).view(torch.float32)
     rounded.add_(power, alpha=_CARRIER).sub_(power, alpha=_CARRIER)  # 2**e * 2**14: exact
-    rounded.mul_(_OVERFLOW).mul_(1.0 / _OVERFLOW)
-    rounded.view(torch.int32).clamp_(max=_QUIET_NAN)
+    if _may_overflow(power_bits):
+        rounded.mul_(_OVERFLOW).mul_(1.0 / _OVERFLOW)
+        rounded.view(torch.int32).clamp_(max=_QUIET_NAN)
     return torch.copysign(rounded, x, out=rounded)
+
+
+def _may_overflow(power_bits: torch.Tensor) -> bool:
+    """Whether steps 3 and 4 can change anything: some ``|x|`` is ``2**31`` or more (an inf and
+    a NaN among them). On the CPU one read of the exponents answers it, and skips two of the
+    three passes most tensors would make for nothing; elsewhere the answer would wait for the
+    device, so they are made."""
+    if power_bits.device.type != "cpu" or power_bits.numel() == 0:
+        return power_bits.numel() > 0
+    return bool(power_bits.max() >= _MAY_OVERFLOW_FIELD)
