@@ -23,8 +23,8 @@ Where (the "Start-up" section of ``docs/performance.md`` says the same):
 The key covers: this cache's format; the versions of jax and jaxlib; the backend's platform and
 version, the device kind, the device and the device count; the host CPU (XLA:CPU compiles for
 its instruction set); ``XLA_FLAGS``; the JAX options that change lowering (x64, matmul
-precision, dtype promotion); a digest of the source of ``amp_core``, ``hardware`` and
-``torch_facade`` (whose code is traced); the core's name and configuration; and every
+precision, dtype promotion); the library's version and a digest of the source of ``amp_core``,
+``hardware`` and ``torch_facade`` (whose code is traced); the core's name and configuration; and every
 argument's shape and dtype. A stored entry repeats its key in full and is used only if it
 matches. An entry that cannot be read or loaded is compiled again and replaced; a directory
 that cannot be written leaves the run uncached. Like JAX's cache, the directory is trusted:
@@ -173,11 +173,16 @@ def _key(name: str, structure: str, device: jax.Device) -> str:
             f"host {_host_cpu()}",
             f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
             f"options {_lowering_options()}",
-            f"source {_source_digest()}",
+            f"source {_library_version()} {_source_digest()}",
             f"core {name}",
             f"arguments {structure}",
         ]
     )
+
+
+def _library_version() -> str:
+    module = sys.modules.get("amp_core")
+    return str(getattr(module, "__version__", "?"))
 
 
 def _jaxlib_version() -> str:
