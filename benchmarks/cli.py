@@ -8,6 +8,7 @@ Examples::
     python -m benchmarks --no-ddp                   # everything but the 2-rank DDP row
     python -m benchmarks --sections host            # host cost per gradient tensor (148, 1000)
     python -m benchmarks --sections step            # the JAX train step with the other scalers
+    python -m benchmarks --sections startup,cbfloat16  # start-up; the cbfloat16 preview
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
             "amp_core against plain optax, the floor, jmp, flax's DynamicScale and mpx, with "
             "each scaler's skip and growth checked; 'jax' = the jitted optax step on gradients "
             "passed in (a narrower second view); 'host' = the host cost per gradient tensor "
-            "(one-element gradients, nothing to compute). Prints a markdown report and writes "
+            "(one-element gradients, nothing to compute); 'startup' = import time and the "
+            "first iteration of a first and a second run, in fresh processes; 'cbfloat16' = the "
+            "cbfloat16 preview against float32 on a Hugging Face GPT-2. Prints a markdown "
+            "report and writes "
             "it with a JSON file of every raw number and PNG plots."
         ),
     )

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from benchmarks import cbfloat16_bench, startup_bench
+
 MARKDOWN_NAME = "bench.md"
 JSON_NAME = "bench.json"
 
@@ -617,6 +619,14 @@ def _compile_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
+def _startup_section(results: dict[str, Any], number: int) -> list[str]:
+    return startup_bench.markdown(results["startup"], number)
+
+
+def _cbfloat16_section(results: dict[str, Any], number: int) -> list[str]:
+    return cbfloat16_bench.markdown(results["cbfloat16"], number)
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The report: run facts, then one numbered section per part that ran, in this order."""
     sections = [
@@ -628,6 +638,8 @@ def markdown(results: dict[str, Any]) -> str:
         (bool(results["bandwidth"]), _bandwidth_section),
         (bool(results.get("host")), _host_section),
         (bool(results["compile"]), _compile_section),
+        (results.get("startup") is not None, _startup_section),
+        (results.get("cbfloat16") is not None, _cbfloat16_section),
     ]
     out = _header(results)
     number = 0

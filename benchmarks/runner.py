@@ -20,10 +20,12 @@ from tqdm import tqdm
 
 from benchmarks import (
     bandwidth,
+    cbfloat16_bench,
     ddp_bench,
     host_bench,
     jax_bench,
     scaler_checks,
+    startup_bench,
     step_bench,
     torch_bench,
     whole_bench,
@@ -66,7 +68,7 @@ HOST_RUN = 10
 one untimed iteration), so that each timed iteration follows one of its own loop's, as in
 training (see :class:`benchmarks.timing.Plan`)."""
 
-SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host")
+SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host", "startup", "cbfloat16")
 """The sections, in report order: whole iterations of the documented loop; the scaler alone on
 gradients refilled in place (with the bandwidth floor); whole iterations under DDP (2 ranks);
 the JAX train step as users write it, with the floor and the other JAX scalers; the jitted optax
@@ -410,6 +412,8 @@ def _ticks(options: BenchOptions) -> int:
         + ("ddp" in options.sections)
         + ("step" in options.sections) * step
         + ("host" in options.sections) * host
+        + ("startup" in options.sections) * options.rounds
+        + ("cbfloat16" in options.sections) * options.rounds
     )
 
 
@@ -435,6 +439,8 @@ class _Run:
             "floor": [],
             "host": [],
             "compile": [],
+            "startup": None,
+            "cbfloat16": None,
         }
 
     def tick(self) -> None:
@@ -697,6 +703,14 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
             state.step()
         if "host" in options.sections:
             state.host()
+        if "startup" in options.sections:
+            bar.set_description("start-up: fresh processes")
+            results["startup"] = startup_bench.run(options.rounds, state.tick)
+        if "cbfloat16" in options.sections:
+            bar.set_description("cbfloat16 preview: GPT-2")
+            results["cbfloat16"] = cbfloat16_bench.run(
+                options.rounds, seed=options.seed, tick=state.tick
+            )
     meta = results["meta"]
     meta["compiles_after_warmup_total"] = sum(
         case["compiles_after_warmup"] for case in results["cases"]

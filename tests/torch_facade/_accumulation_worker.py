@@ -1,4 +1,4 @@
-"""torch's gradient accumulation loop, shared by ``test_accumulation.py`` and its 2-rank job.
+"""torch's gradient accumulation loop, shared by ``test_facade_accumulation.py`` and its 2-rank job.
 
 One linear model (4 -> 2, float32) trains for ``STEPS`` accumulated steps of ``K`` micro-batches
 with torch's documented loop: ``scaler.scale(loss / K).backward()`` K times, then

@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 import amp_core
-from torch_facade.amp import _crossing, _crossing_cpu, _crossing_cuda, _crossing_public, _jax_guest
+from torch_facade.amp import (
+    _core_cache,
+    _crossing,
+    _crossing_cpu,
+    _crossing_cuda,
+    _crossing_public,
+    _jax_guest,
+)
 
 
 def crossing_for(device: torch.device) -> _crossing.Crossing:
@@ -157,6 +164,24 @@ def _pack(state: amp_core.LossScaleState, scalars: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.stack(fields), jax.lax.bitcast_convert_type(scalars, jnp.int32)])
 
 
+def _readable_on_host(leaf: Any) -> bool:
+    """Whether NumPy reads ``leaf`` with no device transfer (a NumPy array, a JAX CPU array)."""
+    if isinstance(leaf, np.ndarray):
+        return True
+    devices = getattr(leaf, "devices", None)
+    return devices is not None and all(d.platform == "cpu" for d in devices())
+
+
+def _pack_on_host(state: amp_core.LossScaleState) -> np.ndarray:
+    """:func:`_pack` by NumPy, for a state of NumPy arrays (zeros for the scalars)."""
+    fields = [
+        leaf.view(np.int32) if leaf.dtype == np.float32 else leaf.astype(np.int32)
+        for leaf in (np.asarray(leaf).reshape(()) for leaf in state)
+    ]
+    scalars = np.zeros(len(StepScalars._fields), np.int32)  # float32 zeros, as bits
+    return np.concatenate([np.stack(fields), scalars])
+
+
 def _unpack(carry: jax.Array) -> amp_core.LossScaleState:
     """The state packed at the front of ``carry`` (the inverse of :func:`_pack`)."""
     floats = jax.lax.bitcast_convert_type(carry[:STATE_SIZE], jnp.float32)
@@ -256,10 +281,20 @@ class Carry:
         return self._state
 
     def packed_on(self, device: torch.device) -> jax.Array:
-        """The packed state on the JAX device matching ``device`` (packed and placed once)."""
+        """The packed state on the JAX device matching ``device`` (packed and placed once).
+
+        A state on the host (a new scaler's, a loaded one) or on JAX's CPU is packed by NumPy,
+        with no jitted call: that would compile once per process, in the first iteration.
+        """
         if self._packed is None or self.device != device:
-            self._state = place_state(self.state, device)
-            self._packed = _pack_core()(self._state)
+            state = self.state
+            if all(_readable_on_host(leaf) for leaf in state):
+                jax_device = _jax_guest.jax_device_for(device)
+                self._packed = jax.device_put(_pack_on_host(state), jax_device)
+                self._state = place_state(state, device)
+            else:
+                self._state = place_state(state, device)
+                self._packed = _pack_core()(self._state)
             self.device = device
         return self._packed
 
@@ -357,7 +392,8 @@ def local_core(config: amp_core.LossScaleConfig, branch_free: bool = False) -> A
 
 @functools.cache
 def _local_core(config: amp_core.LossScaleConfig, branch_free: bool) -> Any:
-    return jax.jit(functools.partial(_local_step, config, branch_free))
+    jitted = jax.jit(functools.partial(_local_step, config, branch_free))
+    return _core_cache.persistent(jitted, f"local branch_free={branch_free} {config!r}")
 
 
 def partials_core(branch_free: bool = False) -> Any:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torch_facade.amp import _crossing_public
@@ -77,5 +77,6 @@ def exporter_or_none() -> Any:
     def exporter(array: jax.Array) -> torch.Tensor:
         return from_capsule(to_capsule(array))
 
-    probe = jnp.arange(16, dtype=jnp.float32)
+    # Placed from NumPy: jnp.arange would compile an XLA computation in the first iteration.
+    probe = jax.device_put(np.arange(16, dtype=np.float32), jax.devices("cpu")[0])
     return exporter if views_its_input(exporter, probe, torch.Tensor) else None

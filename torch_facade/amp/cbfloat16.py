@@ -14,11 +14,11 @@ float32 tensor whose elements all lie on the cbfloat16 grid *is* a cbfloat16 ten
 the exact container (float16 is not: cbfloat16 reaches ``(2 - 2**-9) * 2**31``, and 65504, the
 largest float16, itself rounds to ``2**16``). This module rounds in that container:
 
-* :func:`round_to_cbfloat16` rounds a tensor with ``hardware``'s bit-exact rounding
-  (``hardware.get_format("cbfloat16").round``, jitted): the tensor crosses to JAX and back
-  through DLPack (zero-copy for contiguous, 64-byte-aligned float32 tensors, otherwise one
-  copy), so nothing about the format is computed twice in two frameworks. The gradient is
-  straight-through.
+* :func:`round_to_cbfloat16` rounds a tensor with the values of ``hardware``'s bit-exact
+  rounding (``hardware.get_format("cbfloat16").round``, the specification), computed by torch
+  operations on the tensor's own device (:mod:`~torch_facade.amp._cbfloat16_kernel`, held to
+  the JAX rounding bit for bit by a test; its docstring says why there are two). The gradient
+  is straight-through.
 * :func:`cast_to_cbfloat16` is a cast in both directions: it also rounds the gradient flowing
   back through it, as autograd does for a cast to a real dtype.
 * :func:`cbfloat16_numerics` runs a float32 model with every parameter seen by ``forward`` as
@@ -45,16 +45,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, cast
 
-import jax
 import torch
 from torch.nn.utils import parametrize
 
-from hardware import get_format, jax_device_for
-from torch_facade.amp import _bridge
+from torch_facade.amp import _cbfloat16_kernel
 from torch_facade.amp._host_side import host_side
 
 __all__ = ["cast_to_cbfloat16", "cbfloat16_numerics", "round_to_cbfloat16"]
@@ -62,36 +59,13 @@ __all__ = ["cast_to_cbfloat16", "cbfloat16_numerics", "round_to_cbfloat16"]
 _EXACT_DTYPES = (torch.float32, torch.float64)
 """Dtypes that hold every cbfloat16 value exactly."""
 
-_ALIGNMENT = 64
-"""DLPack imports into JAX are zero-copy only for buffers aligned to this many bytes."""
-
-
-@functools.cache
-def _jitted_round() -> Callable[[jax.Array], jax.Array]:
-    return jax.jit(get_format("cbfloat16").round)
-
-
-def _jax_can_read(device: torch.device) -> bool:
-    if device.type == "cpu":
-        return True
-    try:
-        jax_device_for(device)
-    except RuntimeError:
-        return False
-    return True
-
 
 def _round_values(tensor: torch.Tensor) -> torch.Tensor:
     """The rounded values of ``tensor`` as a new float32 tensor on its device (no autograd)."""
     source = tensor.detach()
-    device = source.device
-    if not _jax_can_read(device):
-        # e.g. a CUDA tensor with a CPU-only jaxlib: round on the CPU, then move back.
-        return _round_values(source.cpu()).to(device)
-    source = source.to(torch.float32).contiguous()
-    if source.data_ptr() % _ALIGNMENT:
-        source = source.clone()  # a fresh allocation is aligned: JAX reads it without a copy
-    return _bridge.to_torch(_jitted_round()(_bridge.to_jax(source)))
+    if source.dtype != torch.float32:
+        source = source.to(torch.float32)
+    return _cbfloat16_kernel.round_float32(source)
 
 
 def _check_floating_tensor(value: Any, argument: str) -> torch.Tensor:
@@ -123,7 +97,7 @@ class _CastToCbfloat16(_RoundToCbfloat16):
     """A cast: rounds the values, and rounds the incoming gradient in the backward pass."""
 
     @staticmethod
-    @host_side  # torch's autograd engine calls it: the facade's other entry point into JAX
+    @host_side  # torch's autograd engine calls it: behind the boundary, as the forward is
     def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
         return _round_values(grad_output).to(ctx.input_dtype)
 
@@ -156,8 +130,9 @@ def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     """Rounds a floating tensor to the nearest cbfloat16 values, bit-exactly.
 
     The values are those of ``hardware.get_format("cbfloat16").round`` (round-to-nearest-even,
-    subnormals kept, overflow to inf, NaN stays NaN, the sign of zero kept), computed by that
-    jitted JAX function on the tensor's device; the tensor crosses through DLPack.
+    subnormals kept, overflow to inf, NaN stays NaN, the sign of zero kept), computed on the
+    tensor's device by six to nine element-wise torch operations that a test holds to that JAX
+    function bit for bit (no crossing into JAX).
 
     Result dtype: ``torch.promote_types(tensor.dtype, torch.float32)``. A float32 input gives
     float32, the exact container of cbfloat16. float16 and bfloat16 inputs (for example the
@@ -170,8 +145,7 @@ def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     quantisation-aware training.
 
     Args:
-        tensor: a floating-point tensor of any shape, on the CPU (or on a GPU that torch and
-            JAX share; other devices are rounded through a CPU copy).
+        tensor: a floating-point tensor of any shape, on any device torch computes on.
 
     Returns:
         A new tensor of ``tensor``'s shape and device whose elements lie on the cbfloat16 grid.
@@ -191,18 +165,28 @@ def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     return _RoundToCbfloat16.apply(_check_floating_tensor(tensor, "tensor"))
 
 
+def _cast(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`cast_to_cbfloat16` of a tensor known to be float32 or float64, for the hooks of
+    :func:`cbfloat16_numerics` (about 200 casts an iteration of a small GPT-2): eagerly, the
+    autograd function itself, without the argument check and the boundary's wrapper; under
+    ``torch.compile``, the public function, so that dynamo breaks its graph there as before."""
+    if torch.compiler.is_compiling():
+        return cast_to_cbfloat16(tensor)
+    return cast(torch.Tensor, _CastToCbfloat16.apply(tensor))
+
+
 class _RoundParametrization(torch.nn.Module):
     """The parametrization :func:`cbfloat16_numerics` registers: the effective tensor is the
     rounded original."""
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        return cast_to_cbfloat16(tensor)
+        return _cast(tensor)
 
 
 def _round_tree(value: Any) -> Any:
     """Rounds every float32/float64 tensor in nested tuples, lists and dicts; keeps the rest."""
     if isinstance(value, torch.Tensor):
-        return cast_to_cbfloat16(value) if value.dtype in _EXACT_DTYPES else value
+        return _cast(value) if value.dtype in _EXACT_DTYPES else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
         return type(value)(*(_round_tree(v) for v in value))
     if isinstance(value, (tuple, list)):

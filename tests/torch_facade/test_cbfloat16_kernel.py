@@ -1,0 +1,158 @@
+"""The torch cbfloat16 kernel against ``hardware``'s JAX rounding (the specification), bit for
+bit: every cbfloat16 code, every rounding tie and its float32 neighbours, float32 subnormals,
+infs, NaNs and 10**7 random float32 bit patterns.
+
+The oracle is ``hardware.get_format("cbfloat16").round``, itself tested against ml_dtypes and
+hand derivations in ``tests/hardware/test_formats.py``. Bits are compared as uint32, so the sign
+of zero and the NaN's bits count.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from hardware import get_format
+from torch_facade.amp._cbfloat16_kernel import round_float32
+
+FORMAT = get_format("cbfloat16")
+RANDOM_PATTERNS = 10**7
+CHUNK = 2**21
+
+
+def _jax_bits(bits: np.ndarray) -> np.ndarray:
+    out = [
+        np.asarray(FORMAT.round(jnp.asarray(bits[i : i + CHUNK].view(np.float32))))
+        for i in range(0, len(bits), CHUNK)
+    ]
+    return np.concatenate(out).view(np.uint32)
+
+
+def _torch_bits(bits: np.ndarray) -> np.ndarray:
+    x = torch.from_numpy(bits.view(np.float32).copy())
+    return round_float32(x).numpy().view(np.uint32)
+
+
+def _assert_same_bits(bits: np.ndarray) -> None:
+    bits = np.ascontiguousarray(bits, dtype=np.uint32)
+    expected, got = _jax_bits(bits), _torch_bits(bits)
+    wrong = np.nonzero(expected != got)[0]
+    shown = [(hex(bits[i]), hex(expected[i]), hex(got[i])) for i in wrong[:5]]
+    assert wrong.size == 0, f"{wrong.size} differ (input, hardware, torch): {shown}"
+
+
+def _codes() -> np.ndarray:
+    return np.arange(2**16, dtype=np.uint32)
+
+
+def _finite_magnitudes() -> np.ndarray:
+    """Every finite non-negative cbfloat16 value, ascending, as float32."""
+    values = np.asarray(FORMAT.decode(jnp.asarray(_codes()[: 2**15].astype(np.uint16))))
+    return values[np.isfinite(values)].astype(np.float32)
+
+
+def test_every_code_decodes_to_a_fixed_point():
+    decoded = np.asarray(FORMAT.decode(jnp.asarray(_codes().astype(np.uint16))))
+    bits = decoded.astype(np.float32).view(np.uint32)
+    _assert_same_bits(bits)
+    finite = np.isfinite(decoded)
+    got = _torch_bits(bits)
+    assert np.array_equal(got[finite], bits[finite])  # and the kernel keeps them
+
+
+def test_every_tie_and_its_float32_neighbours():
+    magnitudes = _finite_magnitudes().astype(np.float64)
+    upper = np.append(magnitudes[1:], 2.0**32)  # the tie past the largest value overflows
+    ties = ((magnitudes + upper) / 2).astype(np.float32)  # exact: 11 significant bits at most
+    assert np.array_equal(ties.astype(np.float64), (magnitudes + upper) / 2)
+    tie_bits = ties.view(np.uint32)
+    around = np.concatenate([tie_bits - 1, tie_bits, tie_bits + 1])
+    _assert_same_bits(np.concatenate([around, around | 0x80000000]))
+    assert len(ties) == 2**15 - 2**9  # a tie above every finite magnitude (top exponent: inf, NaN)
+
+
+def test_float32_subnormals_zeros_infs_and_nans():
+    rng = np.random.default_rng(1)
+    subnormals = np.concatenate([np.arange(0, 2**16), rng.integers(1, 2**23, 2**18)])
+    nans = np.concatenate(
+        [
+            np.array([0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0x7FC00001, 0x7FFFFFFF]),
+            rng.integers(0x7F800001, 0x80000000, 2**16),
+        ]
+    )
+    specials = np.concatenate([subnormals, nans, [0x7F800000]]).astype(np.uint32)
+    _assert_same_bits(np.concatenate([specials, specials | 0x80000000]))
+
+
+def test_the_cbfloat16_subnormal_range_and_its_edges_exhaustively():
+    """Every float32 from 0 to twice the smallest cbfloat16 normal (2**-29), and every float32
+    within 2**16 patterns of the overflow threshold."""
+    top = np.float32(2.0**-29).view(np.uint32)
+    low = np.arange(0, int(top) + 1, 64, dtype=np.uint32)  # every 64th pattern across the range
+    low = np.concatenate([low, np.arange(0x30000000, 0x30900000, dtype=np.uint32)])
+    threshold = np.float32(2.0**32 - 2.0**22).view(np.uint32)  # the tie that overflows
+    edge = np.arange(int(threshold) - 2**16, int(threshold) + 2**16, dtype=np.uint32)
+    both = np.concatenate([low, edge])
+    _assert_same_bits(np.concatenate([both, both | 0x80000000]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_float32_bit_patterns(seed):
+    rng = np.random.default_rng(seed)
+    _assert_same_bits(rng.integers(0, 2**32, RANDOM_PATTERNS // 2, dtype=np.uint64))
+
+
+def test_float_values_around_every_binade():
+    """Random values in every binade float32 has (uniform bit patterns favour huge ones)."""
+    rng = np.random.default_rng(2)
+    exponents = np.repeat(np.arange(0, 255, dtype=np.uint32), 4096)
+    mantissas = rng.integers(0, 2**23, exponents.size).astype(np.uint32)
+    bits = (exponents << 23) | mantissas
+    _assert_same_bits(np.concatenate([bits, bits | 0x80000000]))
+
+
+def test_does_not_modify_its_input_and_keeps_the_shape():
+    x = torch.tensor([[1 + 2**-10, -3e10], [2.0**-41, float("nan")]])
+    before = x.clone()
+    out = round_float32(x)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
+    assert out.data_ptr() != x.data_ptr()
+
+
+def _jax_round_float32(x: torch.Tensor) -> torch.Tensor:
+    """The rounding as the facade computed it before the kernel: ``hardware``'s JAX function."""
+    return torch.from_numpy(np.asarray(FORMAT.round(jnp.asarray(x.detach().numpy()))).copy())
+
+
+def test_cbfloat16_numerics_on_gpt2_is_bit_identical_to_the_jax_rounding(monkeypatch):
+    """A small Hugging Face GPT-2 under ``cbfloat16_numerics`` (every parameter and module
+    output cast, forward and backward): the loss and every gradient are bit-identical whether
+    the casts round with the torch kernel or with ``hardware``'s JAX function."""
+    transformers = pytest.importorskip("transformers")
+    import torch_facade as cstorch
+    from torch_facade.amp import _cbfloat16_kernel
+
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        with cstorch.amp.cbfloat16_numerics(model):
+            loss = model(input_ids=tokens, labels=tokens).loss * 2.0**20  # some gradients overflow
+            loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = run()
+    monkeypatch.setattr(_cbfloat16_kernel, "round_float32", _jax_round_float32)
+    reference_loss, reference_grads = run()
+    assert torch.equal(loss.view(torch.int32), reference_loss.view(torch.int32))
+    assert len(grads) == len(reference_grads) > 0
+    for ours, theirs in zip(grads, reference_grads, strict=True):
+        assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
