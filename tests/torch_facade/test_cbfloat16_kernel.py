@@ -156,3 +156,18 @@ def test_cbfloat16_numerics_on_gpt2_is_bit_identical_to_the_jax_rounding(monkeyp
     assert len(grads) == len(reference_grads) > 0
     for ours, theirs in zip(grads, reference_grads, strict=True):
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+
+
+def test_the_overflow_passes_change_no_value_below_two_to_the_31(monkeypatch):
+    """The accelerators' path: the overflow and NaN passes run on every tensor (no exponent
+    read). Forced on the CPU over values that the CPU's read would send past them."""
+    from torch_facade.amp import _cbfloat16_kernel
+
+    monkeypatch.setattr(_cbfloat16_kernel, "_may_overflow", lambda power_bits: True)
+    rng = np.random.default_rng(3)
+    below = rng.integers(0, 0x4F000000, 2**20, dtype=np.uint32)  # |x| < 2**31
+    small = _finite_magnitudes()
+    small_bits = small[small < 2.0**31].view(np.uint32)
+    bits = np.concatenate([below, small_bits, below | 0x80000000, small_bits | 0x80000000])
+    assert np.isfinite(_torch_bits(bits).view(np.float32)).all()  # nothing reaches 2**32
+    _assert_same_bits(bits)
