@@ -20,11 +20,7 @@ full-batch mean: the comparison with one process needs no rescaling
 from __future__ import annotations
 
 import math
-import os
 import pickle
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,11 +29,11 @@ import _distributed_worker as worker
 import numpy as np
 import pytest
 import torch
+from _ranks import start_ranks, wait_for_ranks
 
 import torch_facade as cstorch
 
 WORKER = Path(worker.__file__).resolve()
-REPO_ROOT = WORKER.parents[2]
 WORLD = 2
 TIMEOUT_S = 120.0
 REPLICATED = {name for name, case in worker.CASES.items() if case.wrapper != "fsdp2"}
@@ -51,60 +47,6 @@ SCALES = [256.0, 256.0, 128.0, 128.0, 128.0, 256.0]
 SCALES_WITH_BIG_TARGET = [256.0, 256.0, 128.0, 128.0, 64.0, 64.0]
 
 
-def free_port() -> int:
-    """A loopback TCP port that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_ranks(out: Path) -> list[subprocess.Popen[bytes]]:
-    """Starts both ranks of the job (one torch thread each, JAX on the CPU)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    port = str(free_port())
-    procs = []
-    for rank in range(WORLD):
-        with open(out / f"rank{rank}.log", "wb") as log:
-            command = [sys.executable, str(WORKER), str(out / f"rank{rank}.pkl"), port]
-            procs.append(
-                subprocess.Popen(
-                    [*command, str(rank), str(WORLD)],
-                    env=env,
-                    cwd=REPO_ROOT,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    return procs
-
-
-def wait_for_ranks(procs: list[subprocess.Popen[bytes]], out: Path, deadline: float) -> None:
-    """Waits for every rank; on a failure or at ``deadline``, kills the rest and fails.
-
-    Raises:
-        AssertionError: with the tail of each failed rank's log.
-    """
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = any(p.poll() not in (None, 0) for p in procs)
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        tails = "\n".join(
-            f"--- rank {rank} (exit {code}) ---\n{(out / f'rank{rank}.log').read_text()[-3000:]}"
-            for rank, code in enumerate(codes)
-        )
-        raise AssertionError(f"ranks failed or ran past {TIMEOUT_S} s:\n{tails}")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The job's results per rank, and every case run in this process as the oracle.
@@ -113,7 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """
     out = tmp_path_factory.mktemp("torch_distributed")
     deadline = time.monotonic() + TIMEOUT_S
-    procs = start_ranks(out)
+    procs = start_ranks(WORKER, out, WORLD)
     try:
         reference = {name: worker.run_case(name, None) for name in worker.CASES}
     finally:

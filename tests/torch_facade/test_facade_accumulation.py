@@ -12,11 +12,7 @@ over the applied steps' mean gradients in float64 NumPy.
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _ranks import start_ranks, wait_for_ranks
 
 import amp_core
 
 WORKER = Path(worker.__file__).resolve()
-REPO_ROOT = WORKER.parents[2]
 WORLD = 2
 TIMEOUT_S = 120.0
 K, STEPS = worker.K, worker.STEPS
@@ -144,34 +140,8 @@ def run_jax(tx: optax.GradientTransformation, accumulated_step: Any) -> dict[str
 
 def run_ddp_no_sync(out: Path) -> list[dict[str, list[Any]]]:
     """The facade's run as a 2-rank gloo job (DDP, ``no_sync()``); each rank's record."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    procs = []
-    for rank in range(WORLD):
-        command = [sys.executable, str(WORKER), str(out / f"rank{rank}.pkl"), port, str(rank)]
-        with open(out / f"rank{rank}.log", "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [*command, str(WORLD)], env=env, cwd=REPO_ROOT, stdout=log, stderr=log
-                )
-            )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, proc in enumerate(procs):
-        log = (out / f"rank{rank}.log").read_text()[-3000:]
-        assert proc.returncode == 0, f"rank {rank} exit {proc.returncode}:\n{log}"
+    procs = start_ranks(WORKER, out, WORLD)
+    wait_for_ranks(procs, out, time.monotonic() + TIMEOUT_S)
     records = []
     for rank in range(WORLD):
         with open(out / f"rank{rank}.pkl", "rb") as file:
