@@ -421,6 +421,63 @@ def test_nested_outputs_are_rounded() -> None:
     assert out["n"].dtype == torch.int64 and out["s"] == "text"
 
 
+def _count_roundings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    from torch_facade.amp import _cbfloat16_kernel
+
+    calls: list[tuple[int, ...]] = []
+    original = _cbfloat16_kernel.round_float32
+
+    def counting(x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return original(x)
+
+    monkeypatch.setattr(_cbfloat16_kernel, "round_float32", counting)
+    return calls
+
+
+def test_an_output_already_cast_is_not_cast_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Dropout(p=0)`` returns its input and ``Sequential`` its last module's output: both are
+    the Linear's cast output already, so neither is rounded again, forward or backward; the
+    gradients are those of one cast per tensor, computed by hand."""
+    calls = _count_roundings(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.0))
+    x = torch.randn(2, 4)
+    with cstorch.amp.cbfloat16_numerics(model):
+        calls.clear()  # registering a parametrization evaluates it once
+        out = model(x)
+        assert len(calls) == 4  # the input, the weight, the bias and the Linear's output
+        (out * 1e3).sum().backward()
+    assert len(calls) == 4 + 3  # the gradients of the output, the weight and the bias
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad()
+    cast = cstorch.amp.cast_to_cbfloat16
+    linear = model[0]
+    h = cast(torch.nn.functional.linear(cast(x), cast(linear.weight), cast(linear.bias)))
+    (h * 1e3).sum().backward()
+    for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_an_output_changed_after_its_cast_is_cast_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Nudge(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inner(x)  # cast by the Linear's hook
+            return h.mul_(1 + 2**-12)  # off the grid again, in place: the same tensor object
+
+    calls = _count_roundings(monkeypatch)
+    x = torch.randn(5, 4)
+    for grad_enabled in (True, False):
+        with cstorch.amp.cbfloat16_numerics(Nudge()) as model, torch.set_grad_enabled(grad_enabled):
+            calls.clear()
+            out = model(x)
+        assert len(calls) == 5  # the input, the weight, the bias, the Linear's and Nudge's outputs
+        assert on_grid(out)
+
+
 def test_rejects_half_precision_models_and_non_modules() -> None:
     model = make_mlp().to(torch.float16)
     with pytest.raises(ValueError, match="float32"), cstorch.amp.cbfloat16_numerics(model):

@@ -1,6 +1,8 @@
 """The torch cbfloat16 kernel against ``hardware``'s JAX rounding (the specification), bit for
 bit: every cbfloat16 code, every rounding tie and its float32 neighbours, float32 subnormals,
-infs, NaNs and 10**7 random float32 bit patterns.
+infs, NaNs and 10**7 random float32 bit patterns. Each set goes through the whole kernel (which
+sends a tensor holding any value outside the integer path's range down the carrier path) and,
+the patterns the integer path takes, through that path alone.
 
 The oracle is ``hardware.get_format("cbfloat16").round``, itself tested against ml_dtypes and
 hand derivations in ``tests/hardware/test_formats.py``. Bits are compared as uint32, so the sign
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from hardware import get_format
-from torch_facade.amp._cbfloat16_kernel import round_float32
+from torch_facade.amp._cbfloat16_kernel import _round_on_integers, round_float32
 
 FORMAT = get_format("cbfloat16")
 RANDOM_PATTERNS = 10**7
@@ -35,12 +37,29 @@ def _torch_bits(bits: np.ndarray) -> np.ndarray:
     return round_float32(x).numpy().view(np.uint32)
 
 
-def _assert_same_bits(bits: np.ndarray) -> None:
-    bits = np.ascontiguousarray(bits, dtype=np.uint32)
-    expected, got = _jax_bits(bits), _torch_bits(bits)
+def _integer_path_takes(values: np.ndarray) -> np.ndarray:
+    """Which values the integer path rounds: zeros, and magnitudes in ``[2**-30, 2**31)``."""
+    magnitudes = np.abs(values.astype(np.float64))
+    return (magnitudes == 0) | ((magnitudes >= 2.0**-30) & (magnitudes < 2.0**31))
+
+
+def _assert_equal_bits(bits: np.ndarray, expected: np.ndarray, got: np.ndarray, path: str) -> None:
     wrong = np.nonzero(expected != got)[0]
     shown = [(hex(bits[i]), hex(expected[i]), hex(got[i])) for i in wrong[:5]]
-    assert wrong.size == 0, f"{wrong.size} differ (input, hardware, torch): {shown}"
+    assert wrong.size == 0, f"{path}: {wrong.size} differ (input, hardware, torch): {shown}"
+
+
+def _assert_same_bits(bits: np.ndarray) -> None:
+    bits = np.ascontiguousarray(bits, dtype=np.uint32)
+    expected = _jax_bits(bits)
+    _assert_equal_bits(bits, expected, _torch_bits(bits), "round_float32")
+    taken = _integer_path_takes(bits.view(np.float32))
+    if taken.any():
+        x = torch.from_numpy(bits[taken].view(np.float32).copy())
+        rounded = _round_on_integers(x)
+        assert rounded is not None, "the integer path refused values in its range"
+        got = rounded.numpy().view(np.uint32)
+        _assert_equal_bits(bits[taken], expected[taken], got, "the integer path")
 
 
 def _codes() -> np.ndarray:
@@ -96,6 +115,8 @@ def test_the_cbfloat16_subnormal_range_and_its_edges_exhaustively():
     edge = np.arange(int(threshold) - 2**16, int(threshold) + 2**16, dtype=np.uint32)
     both = np.concatenate([low, edge])
     _assert_same_bits(np.concatenate([both, both | 0x80000000]))
+    around_the_smallest_normal = np.arange(0x30400000, 0x30900000, dtype=np.uint32)
+    _assert_same_bits(around_the_smallest_normal)  # alone: no value far below 2**-30 with them
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -111,6 +132,41 @@ def test_float_values_around_every_binade():
     mantissas = rng.integers(0, 2**23, exponents.size).astype(np.uint32)
     bits = (exponents << 23) | mantissas
     _assert_same_bits(np.concatenate([bits, bits | 0x80000000]))
+
+
+@pytest.mark.parametrize(
+    ("values", "integer_path"),
+    [
+        ([1.0, -3.5, 2.0**-30, -(2.0**31 - 2.0**7)], True),  # the range's two ends
+        ([0.0, -0.0, 1.0], True),
+        ([0.0, -0.0], True),
+        ([0.0, 2.0**-30 - 2.0**-54], False),  # just below 2**-30, next to a zero
+        ([1.0, -(2.0**-40)], False),
+        ([1.0, 1e-45], False),  # a float32 subnormal
+        ([1.0, 2.0**31], False),
+        ([0.0, -(2.0**31)], False),  # a zero hides the top of the first read
+        ([0.0, float("inf")], False),
+        ([1.0, float("-inf")], False),
+        ([0.0, float("nan")], False),
+        ([1.0, float("nan")], False),
+    ],
+)
+def test_which_path_a_tensor_takes(values: list[float], integer_path: bool) -> None:
+    """The integer path takes a tensor exactly when every value is a zero or has a magnitude in
+    ``[2**-30, 2**31)``; the others go down the carrier path. Either way the bits are right."""
+    x = torch.tensor(values, dtype=torch.float32)
+    assert (_round_on_integers(x) is not None) == integer_path
+    bits = x.numpy().view(np.uint32)
+    _assert_equal_bits(bits, _jax_bits(bits), _torch_bits(bits), "round_float32")
+
+
+def test_the_integer_path_on_strided_and_empty_tensors() -> None:
+    x = torch.randn(64, 48)[::2, 1::3]
+    assert not x.is_contiguous()
+    rounded = round_float32(x)
+    bits = x.contiguous().numpy().view(np.uint32)
+    _assert_equal_bits(bits, _jax_bits(bits), rounded.contiguous().numpy().view(np.uint32), "t")
+    assert round_float32(torch.empty(0, 3)).shape == (0, 3)
 
 
 def test_does_not_modify_its_input_and_keeps_the_shape():

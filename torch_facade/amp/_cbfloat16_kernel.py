@@ -6,16 +6,30 @@ derivations. A torch model previewed under ``cstorch.amp.cbfloat16_numerics`` ro
 parameter and activation, forward and backward: about 270 roundings per iteration of a small
 GPT-2. Through JAX each one crossed DLPack twice, dispatched a jitted call and switched between
 torch's and XLA's thread pools, which made the preview about 2x a float32 iteration. Done here,
-the rounding is six element-wise torch operations on the tensor's own device (nine where some
-value is ``2**31`` or more, or not finite), with no crossing.
+the rounding is a handful of element-wise torch operations on the tensor's own device, with no
+crossing.
 ``tests/torch_facade/test_cbfloat16_kernel.py`` holds this kernel to the JAX rounding bit for
 bit: every cbfloat16 code, every rounding tie, float32 subnormals, infs and NaNs, and random
 float32 bit patterns (10**7 in all). ``hardware`` stays the specification; a change of the
 format is made there and this kernel follows the test.
 
-How it rounds a float32 ``x`` (round-to-nearest-even to 9 mantissa bits, subnormals down to
-``2**-39``, overflow to inf, NaN to the quiet NaN, the sign kept), with IEEE float32 addition
-doing the rounding itself:
+On the CPU, most tensors take the integer path; the others, and every tensor on other
+devices, take the carrier path. Both give the same bits.
+
+**The integer path** (CPU). Rounding to nearest even at bit 14 of the float32 encoding is
+``(b + 0x1FFF + ((b >> 14) & 1)) & ~0x3FFF`` on the bits ``b``: five in-place passes over one
+new tensor, with the sign and zeros kept for free. It is exact where cbfloat16's quantum is
+float32's ``2**14`` ulps, that is when every nonzero ``|x|`` lies in ``[2**-30, 2**31)``: below
+``2**-30`` the quantum stays ``2**-39`` (cbfloat16's subnormals), from ``2**31`` values may round
+to ``2**32`` and must become inf, and infs and NaNs are not numbers to round. One reduction
+decides it, before the passes, on ``(b - 1) & 0x7FFFFFFF`` written into the output tensor: zeros
+become ``0x7FFFFFFF`` and every other value ``|b| - 1``, so the minimum finds a magnitude below
+``2**-30`` that is not a zero, and the maximum one of ``2**31`` or more unless a zero is there
+(then a reduction over ``x`` answers). ``b - 1`` wraps at ``-0.0`` (``INT32_MIN``), as torch's
+integer arithmetic does on every CPU it runs on; the tests hold ``-0.0`` to the specification.
+In a GPT-2's iteration about 2% of the roundings take the carrier path.
+
+**The carrier path** (every ``x``), with IEEE float32 addition doing the rounding itself:
 
 1. ``a = |x|``; ``c = 2**e * 2**14``, ``e`` the exponent of ``a`` clamped to ``[-30, 32]``
    (``2**e``: the exponent bits of ``x``, clamped as integers; the product by ``2**14`` is exact
@@ -30,6 +44,9 @@ doing the rounding itself:
    Steps 3 and 4 change nothing unless some ``|x|`` is ``2**31`` or more (inf and NaN
    included): on the CPU, one read of the exponents decides whether they run.
 5. ``copysign`` with ``x``.
+
+Off the CPU both paths' decisions would wait for the device, so the carrier path runs whole,
+with no read.
 """
 
 from __future__ import annotations
@@ -57,6 +74,9 @@ _LOWEST_FIELD = _field(_LOWEST_EXPONENT)
 _HIGHEST_FIELD = _field(_HIGHEST_EXPONENT)
 _CARRIER = 2.0**_DROPPED_BITS  # the carrier is 2**e (the clamped exponent bits) times this
 _MAY_OVERFLOW_FIELD = _field(_HIGHEST_EXPONENT - 1)  # below 2**31 nothing rounds to 2**32
+_SHIFT_EXACT_FROM = _LOWEST_FIELD  # 2**-30: from here up cbfloat16's quantum is 2**14 ulps
+_ROUND_BIT = 1 << _DROPPED_BITS
+_KEPT_BITS = -_ROUND_BIT  # ~0x3FFF as an int32
 
 
 def round_float32(x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +94,35 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
         >>> round_float32(x).tolist()
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
     """
+    if x.device.type == "cpu" and x.numel() > 0:
+        rounded = _round_on_integers(x)
+        if rounded is not None:
+            return rounded
+    return _round_with_carrier(x)
+
+
+def _round_on_integers(x: torch.Tensor) -> torch.Tensor | None:
+    """The integer path, or ``None`` where it would be wrong (some nonzero ``|x|`` below
+    ``2**-30``, or ``2**31`` and up, inf or NaN). See the module's docstring."""
+    bits = x.view(torch.int32)
+    out = torch.sub(bits, 1)
+    out.bitwise_and_(_ABS)  # zeros: 0x7FFFFFFF; every other value: |bits| - 1
+    lowest, highest = torch.aminmax(out)
+    if int(lowest) < _SHIFT_EXACT_FROM - 1:
+        return None
+    if int(highest) >= _MAY_OVERFLOW_FIELD - 1:
+        if int(highest) != _ABS:  # no zero there: some |x| is 2**31 or more, inf or NaN
+            return None
+        low, high = torch.aminmax(x)  # a zero hides the top: read x (NaN propagates)
+        if not (-(2.0**31) < float(low) and float(high) < 2.0**31):
+            return None
+    torch.bitwise_right_shift(bits, _DROPPED_BITS, out=out)
+    out.bitwise_and_(1).add_(bits).add_(_ROUND_BIT // 2 - 1).bitwise_and_(_KEPT_BITS)
+    return out.view(torch.float32)
+
+
+def _round_with_carrier(x: torch.Tensor) -> torch.Tensor:
+    """The carrier path: every float32, on every device. See the module's docstring."""
     bits = x.view(torch.int32)
     power_bits = (bits & _EXPONENT).clamp_(_LOWEST_FIELD, _HIGHEST_FIELD)
     power = power_bits.view(torch.float32)

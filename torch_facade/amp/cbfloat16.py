@@ -165,14 +165,27 @@ def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     return _RoundToCbfloat16.apply(_check_floating_tensor(tensor, "tensor"))
 
 
+_CAST_VERSION = "_cstorch_cbfloat16_cast_version"
+"""The attribute :func:`_cast` leaves on its results: their version counter when made."""
+
+
 def _cast(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`cast_to_cbfloat16` of a tensor known to be float32 or float64, for the hooks of
     :func:`cbfloat16_numerics` (about 200 casts an iteration of a small GPT-2): eagerly, the
     autograd function itself, without the argument check and the boundary's wrapper; under
-    ``torch.compile``, the public function, so that dynamo breaks its graph there as before."""
+    ``torch.compile``, the public function, so that dynamo breaks its graph there as before.
+
+    Eagerly, a tensor that is itself one of these casts' results, unchanged since (its version
+    counter as it was), is returned as it is: a ``Dropout(p=0)`` returns its input, a container
+    its last submodule's output. Its values are on the grid already, and its gradient is rounded
+    by the cast that made it, once all its uses are summed."""
     if torch.compiler.is_compiling():
         return cast_to_cbfloat16(tensor)
-    return cast(torch.Tensor, _CastToCbfloat16.apply(tensor))
+    if getattr(tensor, _CAST_VERSION, None) == tensor._version:
+        return tensor
+    rounded = cast(torch.Tensor, _CastToCbfloat16.apply(tensor))
+    setattr(rounded, _CAST_VERSION, rounded._version)
+    return rounded
 
 
 class _RoundParametrization(torch.nn.Module):
@@ -281,7 +294,10 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     storing cbfloat16). Results of functional calls inside a ``forward`` (``torch.tanh(x)``, a
     residual addition) are rounded when the module that made them returns. In the backward
     pass, the gradient reaching each of these casts is rounded too (a cast's transpose is a
-    cast), so overflows of the backward pass show, as with a real half dtype. Buffers (e.g. BatchNorm statistics) are not rounded. While active,
+    cast), so overflows of the backward pass show, as with a real half dtype. An output that
+    is already such a cast's result, unchanged (a ``Dropout(p=0)`` returns its input, a
+    ``Sequential`` its last module's output), is not cast again: the values are on the grid,
+    and its gradient is rounded where it was cast, after all its uses are summed. Buffers (e.g. BatchNorm statistics) are not rounded. While active,
     ``module.state_dict()`` has parametrization keys (``...parametrizations.weight.original``)
     and ``module.modules()`` lists the parametrization modules too.
 
