@@ -16,9 +16,13 @@ from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, 
 from benchmarks.torch_bench import BIG_NORM, LEARNING_RATE, LOSS_SCALE, NEVER
 
 FUSED_APPLY = "+ DLS, apply_scaled_gradients"
-VARIANTS = ("optax adamw", "+ DLS", "+ DLS+GCC", FUSED_APPLY)
-"""Variant names, interleaved together. The first three go through ``tx.update`` and
-``optax.apply_updates``; the last through ``amp_core.apply_scaled_gradients``."""
+GATED_FLOOR = "optax adamw gated by one read (floor)"
+VARIANTS = ("optax adamw", "+ DLS", "+ DLS+GCC", FUSED_APPLY, GATED_FLOOR)
+"""Variant names, interleaved together. The loss-scaled ones go through ``tx.update`` and
+``optax.apply_updates``, or through ``amp_core.apply_scaled_gradients``. The floor is plain
+AdamW whose gradients enter multiplied by ``1 + min(sum(g**2), 0)`` (exactly 1): one read of
+every gradient that the update must wait for, which any step able to skip has to make, and
+nothing else."""
 
 
 def _config(name: str) -> amp_core.DynamicLossScale:
@@ -36,7 +40,8 @@ class _OptaxVariant:
     def __init__(self, name: str, grads: GradientSet) -> None:
         inner = optax.adamw(LEARNING_RATE)
         config = _config(name)
-        tx = inner if name == "optax adamw" else amp_core.with_loss_scaling(inner, config)
+        plain = name in ("optax adamw", GATED_FLOOR)
+        tx = inner if plain else amp_core.with_loss_scaling(inner, config)
         self.grads = {
             n: jnp.array(g.numpy(), copy=True)
             for n, g in zip(grads.names, grads.grads, strict=True)
@@ -50,6 +55,10 @@ class _OptaxVariant:
         def update(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
             if name == FUSED_APPLY:
                 return amp_core.apply_scaled_gradients(inner, config, grads, state, params)
+            if name == GATED_FLOOR:
+                total = sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads))
+                gate = 1 + jnp.minimum(total, 0)  # 1 for every sum, NaN for NaN
+                grads = jax.tree_util.tree_map(lambda g: g * gate, grads)
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
@@ -74,7 +83,8 @@ def run_group(
     counter: CompileCounter,
     on_round: Callable[[], object] = lambda: None,
 ) -> JaxGroup:
-    """Measures optax AdamW alone, with DLS, with DLS + GCC and the fused apply, interleaved.
+    """Measures optax AdamW alone, with DLS, with DLS + GCC, the fused apply and the floor,
+    interleaved.
 
     Every variant is ``jax.jit(update, donate_argnums=(0, 1))`` over ``(params, opt_state,
     grads)``: params and optimizer state are donated, the gradients are reused on every call.

@@ -433,7 +433,9 @@ def _jax_section(results: dict[str, Any], number: int) -> list[str]:
         "backward pass are passed in, already in memory, and only the update is timed. "
         "Each is `jax.jit(update, donate_argnums=(0, 1))` over (params, opt_state, grads). "
         "DLS and DLS+GCC: `with_loss_scaling` then `optax.apply_updates`; fused: "
-        "`apply_scaled_gradients`. "
+        "`apply_scaled_gradients`. Floor: plain AdamW gated by one read of the gradients "
+        "(multiplied by `1 + min(sum(g**2), 0)`, exactly 1), the least a step able to skip must "
+        "add: the check reads every gradient before the update may start. "
         f"Steps per round: {_iters(results, 'jax')}.",
         "",
     ]
@@ -441,27 +443,35 @@ def _jax_section(results: dict[str, Any], number: int) -> list[str]:
         [
             "size",
             "optax adamw",
+            "floor",
             "+ DLS",
             "+ DLS+GCC",
             "+ DLS fused",
+            "floor/plain",
             "DLS/plain",
             "DLS+GCC/plain",
             "fused/plain",
+            "DLS/floor",
+            "fused/floor",
         ],
         [
             [
                 r["size"],
                 _cell(r["adamw_ms"]),
+                _cell(r["floor_ms"]),
                 _cell(r["dls_ms"]),
                 _cell(r["dls_gcc_ms"]),
                 _cell(r["dls_fused_ms"]),
+                _cell(r["floor_ratio"], "x"),
                 _cell(r["dls_ratio"], "x"),
                 _cell(r["dls_gcc_ratio"], "x"),
                 _cell(r["dls_fused_ratio"], "x"),
+                _cell(r["dls_over_floor"], "x"),
+                _cell(r["dls_fused_over_floor"], "x"),
             ]
             for r in results["jax"]
         ],
-        ["l"] + ["r"] * 7,
+        ["l"] + ["r"] * 11,
     )
     return [*out, ""]
 

@@ -262,16 +262,20 @@ def step_rows(group: step_bench.StepGroup) -> list[dict[str, Any]]:
 
 
 def _jax_row(size: str, group: jax_bench.JaxGroup) -> dict[str, Any]:
-    plain, dls, gcc, fused = (group.timings[name].rounds for name in jax_bench.VARIANTS)
+    plain, dls, gcc, fused, floor = (group.timings[name].rounds for name in jax_bench.VARIANTS)
     return {
         "size": size,
         "adamw_ms": _stats(_ms(plain)),
         "dls_ms": _stats(_ms(dls)),
         "dls_gcc_ms": _stats(_ms(gcc)),
         "dls_fused_ms": _stats(_ms(fused)),
+        "floor_ms": _stats(_ms(floor)),
         "dls_ratio": _stats(per_round(ratio, dls, plain)),
         "dls_gcc_ratio": _stats(per_round(ratio, gcc, plain)),
         "dls_fused_ratio": _stats(per_round(ratio, fused, plain)),
+        "floor_ratio": _stats(per_round(ratio, floor, plain)),
+        "dls_over_floor": _stats(per_round(ratio, dls, floor)),
+        "dls_fused_over_floor": _stats(per_round(ratio, fused, floor)),
     }
 
 

@@ -219,6 +219,10 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         "dls_ratio",
         "dls_gcc_ratio",
         "dls_fused_ratio",
+        "floor_ms",
+        "floor_ratio",
+        "dls_over_floor",
+        "dls_fused_over_floor",
     ):
         _assert_stats(jax_row[key])
 
