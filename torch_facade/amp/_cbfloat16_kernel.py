@@ -3,7 +3,7 @@
 Why there are two. ``hardware.get_format("cbfloat16").round`` (JAX) is the specification of the
 format: the one the JAX front door uses and the one the tests check against ml_dtypes and hand
 derivations. A torch model previewed under ``cstorch.amp.cbfloat16_numerics`` rounds every
-parameter and activation, forward and backward: about 270 roundings per iteration of a small
+parameter and activation, forward and backward: about 180 roundings per iteration of a small
 GPT-2. Through JAX each one crossed DLPack twice, dispatched a jitted call and switched between
 torch's and XLA's thread pools, which made the preview about 2x a float32 iteration. Done here,
 the rounding is a handful of element-wise torch operations on the tensor's own device, with no

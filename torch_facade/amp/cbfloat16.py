@@ -131,7 +131,7 @@ def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
 
     The values are those of ``hardware.get_format("cbfloat16").round`` (round-to-nearest-even,
     subnormals kept, overflow to inf, NaN stays NaN, the sign of zero kept), computed on the
-    tensor's device by six to nine element-wise torch operations that a test holds to that JAX
+    tensor's device by a few element-wise torch operations that a test holds to that JAX
     function bit for bit (no crossing into JAX).
 
     Result dtype: ``torch.promote_types(tensor.dtype, torch.float32)``. A float32 input gives
