@@ -478,6 +478,20 @@ def test_an_output_changed_after_its_cast_is_cast_again(monkeypatch: pytest.Monk
         assert on_grid(out)
 
 
+def test_numerics_under_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inference tensors have no version counter: their outputs are simply cast again."""
+    calls = _count_roundings(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.0))
+    x = torch.randn(2, 4)
+    with cstorch.amp.cbfloat16_numerics(model):
+        expected = model(x).detach()
+        with torch.inference_mode():
+            calls.clear()
+            out = model(x)
+    assert out.is_inference() and torch.equal(out, expected)
+    assert len(calls) == 6  # the input, the weight, the bias and all three modules' outputs
+
+
 def test_rejects_half_precision_models_and_non_modules() -> None:
     model = make_mlp().to(torch.float16)
     with pytest.raises(ValueError, match="float32"), cstorch.amp.cbfloat16_numerics(model):

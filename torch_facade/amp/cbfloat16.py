@@ -181,10 +181,12 @@ def _cast(tensor: torch.Tensor) -> torch.Tensor:
     by the cast that made it, once all its uses are summed."""
     if torch.compiler.is_compiling():
         return cast_to_cbfloat16(tensor)
-    if getattr(tensor, _CAST_VERSION, None) == tensor._version:
+    made_at = getattr(tensor, _CAST_VERSION, None)
+    if made_at is not None and made_at == tensor._version:
         return tensor
     rounded = cast(torch.Tensor, _CastToCbfloat16.apply(tensor))
-    setattr(rounded, _CAST_VERSION, rounded._version)
+    if not rounded.is_inference():  # inference tensors have no version counter: cast again
+        setattr(rounded, _CAST_VERSION, rounded._version)
     return rounded
 
 
