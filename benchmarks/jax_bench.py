@@ -25,6 +25,14 @@ every gradient that the update must wait for, which any step able to skip has to
 nothing else."""
 
 
+def gate_by(total: jax.Array, grads: Any) -> Any:
+    """``grads`` multiplied by ``1 + min(total, 0)``: exactly 1 for every sum of squares (NaN for
+    NaN), so the update that reads them waits for ``total``, as a skip decision makes it wait.
+    The floors' stand-in for a decision (here and in :mod:`benchmarks.step_bench`)."""
+    gate = 1 + jnp.minimum(total, 0)
+    return jax.tree_util.tree_map(lambda g: g * gate, grads)
+
+
 def _config(name: str) -> amp_core.DynamicLossScale:
     return amp_core.DynamicLossScale(
         init_scale=LOSS_SCALE,
@@ -57,8 +65,7 @@ class _OptaxVariant:
                 return amp_core.apply_scaled_gradients(inner, config, grads, state, params)
             if name == GATED_FLOOR:
                 total = sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads))
-                gate = 1 + jnp.minimum(total, 0)  # 1 for every sum, NaN for NaN
-                grads = jax.tree_util.tree_map(lambda g: g * gate, grads)
+                grads = gate_by(total, grads)
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 

@@ -42,6 +42,7 @@ import optax
 
 import amp_core
 from amp_core.scaling import _in_step_sum_of_unscaled_squares
+from benchmarks.jax_bench import gate_by
 from benchmarks.sizes import SizeSpec, shape_list
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 from benchmarks.torch_bench import LEARNING_RATE, LOSS_SCALE, NEVER
@@ -341,8 +342,7 @@ class _Plain(Runner):
                 total = sum(jnp.sum(jnp.square(g)) for g in leaves)
             else:  # one leaf after the other, as amp_core does it inside a step
                 total = _in_step_sum_of_unscaled_squares(leaves, jnp.float32(1.0))
-                gate = 1 + jnp.minimum(total, 0)  # 1 for every sum, NaN for NaN
-                grads = jax.tree_util.tree_map(lambda g: g * gate, grads)
+                grads = gate_by(total, grads)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, total
 

@@ -17,11 +17,11 @@ import contextlib
 import os
 import pickle
 import sys
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
+from _ranks import join_gloo
 
 K = 4  # micro-batches per accumulated step
 STEPS = 4  # accumulated steps
@@ -103,14 +103,7 @@ def main(out_file: str, port: str, rank: str, world: str) -> None:
     """One rank of the job: the facade's run under DDP with ``no_sync()``; pickles the record."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=int(rank),
-        world_size=int(world),
-        timeout=timedelta(seconds=60),
-    )
+    join_gloo(port, rank, world)
     record = train("facade", int(rank), int(world))
     dist.barrier()
     dist.destroy_process_group()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import io
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _ranks import join_gloo
 
 STEPS = 6
 BATCH = 8
@@ -45,7 +45,6 @@ FAULT_INDEX = (12, 3)  # of the first weight (16 x 6): row 12 lies in rank 1's F
 BIG_TARGET = 1.0e5  # a target whose float16 backward overflows (float16 cases)
 INIT_SCALE, STEPS_PER_INCREASE = 2.0**8, 2
 LEARNING_RATE = 1e-2
-TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer fails the rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,14 +550,7 @@ def main(out_file: str, port: str, rank: str, world: str) -> None:
     """Runs every case, the error checks and the timing as one rank; pickles the results."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=int(rank),
-        world_size=int(world),
-        timeout=TIMEOUT,
-    )
+    join_gloo(port, rank, world)
     results: dict[str, Any] = {"cases": {}, "seconds": {}}
     with warnings.catch_warnings(record=True) as caught_warnings:
         warnings.simplefilter("always")

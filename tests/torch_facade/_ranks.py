@@ -1,7 +1,8 @@
 """Starting and waiting for the ranks of a CPU gloo job (one process per rank, JAX on the CPU).
 
 Shared by the tests that run a worker script as ``WORLD`` processes: ``test_distributed.py`` and
-``test_facade_accumulation.py``. A worker takes ``out_file port rank world`` on its command line.
+``test_facade_accumulation.py``. A worker takes ``out_file port rank world`` on its command line
+and joins the group with :func:`join_gloo` (its folder is first on its ``sys.path``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 
@@ -19,6 +21,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+"""A collective that waits longer fails the rank."""
+
+
+def join_gloo(port: str, rank: str, world: str) -> None:
+    """The worker's side: one torch thread, and this rank in a gloo group on the loopback."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=int(rank),
+        world_size=int(world),
+        timeout=COLLECTIVE_TIMEOUT,
+    )
 
 
 def start_ranks(worker: Path, out: Path, world: int) -> list[subprocess.Popen[bytes]]:
