@@ -1,8 +1,9 @@
 """The torch cbfloat16 kernel against ``hardware``'s JAX rounding (the specification), bit for
 bit: every cbfloat16 code, every rounding tie and its float32 neighbours, float32 subnormals,
 infs, NaNs and 10**7 random float32 bit patterns. Each set goes through the whole kernel (which
-sends a tensor holding any value outside the integer path's range down the carrier path) and,
-the patterns the integer path takes, through that path alone.
+sends a tensor holding any value outside the integer path's range down the carrier path),
+through the carrier path alone (the one a GPU takes) and, the patterns the integer path takes,
+through that path alone.
 
 The oracle is ``hardware.get_format("cbfloat16").round``, itself tested against ml_dtypes and
 hand derivations in ``tests/hardware/test_formats.py``. Bits are compared as uint32, so the sign
@@ -17,7 +18,11 @@ import pytest
 import torch
 
 from hardware import get_format
-from torch_facade.amp._cbfloat16_kernel import _round_on_integers, round_float32
+from torch_facade.amp._cbfloat16_kernel import (
+    _round_on_integers,
+    _round_with_carrier,
+    round_float32,
+)
 
 FORMAT = get_format("cbfloat16")
 RANDOM_PATTERNS = 10**7
@@ -53,6 +58,9 @@ def _assert_same_bits(bits: np.ndarray) -> None:
     bits = np.ascontiguousarray(bits, dtype=np.uint32)
     expected = _jax_bits(bits)
     _assert_equal_bits(bits, expected, _torch_bits(bits), "round_float32")
+    # The carrier path alone on every pattern: what a GPU runs on every tensor.
+    carried = _round_with_carrier(torch.from_numpy(bits.view(np.float32).copy()))
+    _assert_equal_bits(bits, expected, carried.numpy().view(np.uint32), "the carrier path")
     taken = _integer_path_takes(bits.view(np.float32))
     if taken.any():
         x = torch.from_numpy(bits[taken].view(np.float32).copy())
