@@ -53,10 +53,10 @@ bench: $(STAMP)
 bench-large: $(STAMP)
 	$(PY) -m benchmarks --large
 
-# The device check (benchmarks/device_check.py): CUDA when torch sees a GPU, else the CPU. On a
-# machine without the venv: PYTHONPATH=. python -m benchmarks.device_check --device cuda --out DIR
+# The device check (device_check/check.py): CUDA when torch sees a GPU, else the CPU. On a
+# machine without the venv: PYTHONPATH=. python -m device_check --device cuda --out DIR
 device-check: $(STAMP)
-	$(PY) -m benchmarks.device_check --out device_check_output --device \
+	$(PY) -m device_check --out device_check_output --device \
 		$$($(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 clean:

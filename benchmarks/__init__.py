@@ -22,8 +22,8 @@ and the compile time of the first step and the compilations after warm-up. Sizes
 :mod:`benchmarks.sizes`. Results: a markdown report on the terminal and in
 ``bench_output/bench.md``, every raw number in ``bench_output/bench.json``.
 
-The device check (``python -m benchmarks.device_check``, ``make device-check``) is separate: see
-:mod:`benchmarks.device_check`.
+The device check (``python -m device_check``, ``make device-check``) is separate: see
+:mod:`device_check`.
 """
 
 from benchmarks.cli import main

@@ -27,7 +27,7 @@ Examples::
     python -m benchmarks.host_profile --tensors 148 --optimizer "SGD foreach" --top 30
     python -m benchmarks.host_profile --tensors 1000 --out host_profile_output
 
-:func:`time_calls` is also the per-call timer of :mod:`benchmarks.device_check`.
+:func:`time_calls` is also the per-call timer of :mod:`device_check`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def time_calls(loop: whole_bench.TrainLoop, unscale: bool = False) -> dict[str, 
 
     On a CUDA device the device is synchronized after ``backward`` and at the end of the
     iteration (both untimed), so that each scaler call is timed with the device idle: host cost,
-    not a wait for queued work (``benchmarks.device_check``'s sleep probe measures waiting).
+    not a wait for queued work (``device_check``'s sleep probe measures waiting).
 
     Args:
         loop: a ``bare``, ``torch`` or ``facade`` variant.
@@ -140,7 +140,8 @@ def stage_timers(
     """
     from unittest import mock
 
-    from torch_facade.amp import _bridge, _gradients
+    from benchmarks.internals import bridge as _bridge
+    from benchmarks.internals import gradients as _gradients
 
     samples: dict[str, list[float]] = {stage: [] for stage in STAGES}
     recording = [False]

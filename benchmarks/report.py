@@ -113,7 +113,8 @@ def _header(results: dict[str, Any]) -> list[str]:
     return [
         "# Benchmarks",
         "",
-        f"`{meta['command']}` on {meta['date']}: {meta['cpu_count']} CPUs, torch "
+        f"`{meta['command']}` on {meta['date']}: {meta['cpu_count']} CPUs "
+        f"({meta.get('cpu_model', 'CPU model not recorded')}), torch "
         f"{meta['torch']} ({meta['torch_threads']} threads), jax {meta['jax']}, optax "
         f"{meta['optax']}; {meta['rounds']} rounds, variants interleaved round by round in one "
         f"process; a round's value is the median of its timed calls, and cells are medians over "

@@ -342,6 +342,24 @@ def _load() -> list[float] | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``; else the platform's word).
+
+    Example:
+        >>> isinstance(cpu_model(), str)
+        True
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:  # no /proc on this platform
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 THREAD_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "XLA_FLAGS")
 """Environment variables that change the thread pools' behaviour; the report lists those set."""
 
@@ -356,6 +374,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "optax": optax.__version__,
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "jax_devices": [str(d) for d in jax.devices()],

@@ -44,10 +44,11 @@ import torch
 from torch import nn
 
 import torch_facade as cstorch
+from benchmarks.internals import bridge as _bridge
+from benchmarks.internals import gradients as _gradients
 from benchmarks.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
 from benchmarks.torch_bench import LOSS_SCALE, NEVER, OPTIMIZERS, VARIANTS
-from torch_facade.amp import _bridge, _gradients
 
 FLOOR = "xla floor"
 """The floor variant's name (see the module docstring)."""

@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("amp_core", "torch_facade", "hardware", "demo", "benchmarks")
+PACKAGES = ("amp_core", "torch_facade", "hardware", "demo", "benchmarks", "device_check")
 
 
 def module_name(path: Path) -> str:

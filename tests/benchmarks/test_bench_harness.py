@@ -267,6 +267,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         "jax",
         "optax",
         "cpu_count",
+        "cpu_model",
         "torch_threads",
         "load_average_start",
         "load_average_end",
@@ -275,6 +276,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     ):
         assert key in meta
     assert meta["rounds"] == ROUNDS
+    assert meta["cpu_model"] and meta["cpu_model"] in report.markdown(results)
     assert math.isclose(meta["loss_scale"], 1 + 2**-23)
 
 

@@ -4,7 +4,7 @@ Written before any GPU ran them: each checks one claim of "Sharing a GPU with to
 docs/gpus.md against torch itself (its scaler, its sync-debug mode, its memory counters). On a lent
 GPU machine with the packages preinstalled, run ``PYTHONPATH=. python -m pytest -m gpu
 tests/torch_facade/test_gpu.py -p no:cacheprovider`` (the device check,
-``python -m benchmarks.device_check --device cuda``, covers the same ground with numbers).
+``python -m device_check --device cuda``, covers the same ground with numbers).
 """
 
 from __future__ import annotations

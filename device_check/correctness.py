@@ -135,7 +135,7 @@ def expected_scales(skipped: list[bool], init: float, interval: int) -> list[flo
     ``interval`` consecutive finite steps since the last rescale.
 
     Example:
-        >>> from benchmarks.device_correctness import expected_scales
+        >>> from device_check.correctness import expected_scales
         >>> expected_scales([False, False, False, True, False], 8.0, 3)
         [8.0, 8.0, 16.0, 8.0, 8.0]
     """

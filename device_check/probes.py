@@ -1,6 +1,6 @@
 """The device check's measuring sections: memory, host synchronisations, and timings.
 
-Each public function is one section of :mod:`benchmarks.device_check` and returns its JSON
+Each public function is one section of :mod:`device_check` and returns its JSON
 dict; a part that cannot run on the device is ``None`` with a ``reason`` beside it. The loops are
 :class:`benchmarks.whole_bench.TrainLoop` variants on the device (the documented loop, fresh
 gradients every iteration), so every number here is measured on the loop users run.
@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from benchmarks import host_profile, runner, whole_bench
+from benchmarks.internals import bridge as _bridge
+from benchmarks.internals import crossing_cuda as _crossing_cuda
 from benchmarks.sizes import SIZES
 from benchmarks.timing import CompileCounter, Plan
-from torch_facade.amp import _bridge, _crossing_cuda
 
 MEMORY_ITERATIONS = 5
 """Facade iterations after the first decision before memory is read again."""

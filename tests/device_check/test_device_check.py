@@ -19,7 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import device_check, device_compiled, device_correctness, device_report
+from device_check import check as device_check
+from device_check import compiled as device_compiled
+from device_check import correctness as device_correctness
+from device_check import report as device_report
 
 REPO = Path(__file__).resolve().parents[2]
 SECTION_KEYS = ("memory", "correctness", "host_syncs_per_iteration", "timings", "compiled")
@@ -29,7 +32,7 @@ GPU_TIMEOUT_S = 10 * 60  # the compiled section adds four inductor compilations
 
 def _run_check(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "benchmarks.device_check", "--out", str(out), *args]
+    command = [sys.executable, "-m", "device_check", "--out", str(out), *args]
     return subprocess.run(
         command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )

@@ -1,4 +1,4 @@
-"""The markdown report of :mod:`benchmarks.device_check` (the JSON file holds every number)."""
+"""The markdown report of :mod:`device_check` (the JSON file holds every number)."""
 
 from __future__ import annotations
 

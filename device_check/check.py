@@ -2,11 +2,11 @@
 
 Run it on a machine with a CUDA GPU (the packages as they are there, nothing to install)::
 
-    PYTHONPATH=. python -m benchmarks.device_check --device cuda --out device_check_output
+    PYTHONPATH=. python -m device_check --device cuda --out device_check_output
 
 or ``make device-check`` (CUDA when torch sees a GPU, else the CPU), or on the CPU for CI::
 
-    python -m benchmarks.device_check --device cpu --quick --out /tmp/device_check
+    python -m device_check --device cpu --quick --out /tmp/device_check
 
 It writes ``DIR/device_check.json`` (every number) and ``DIR/device_check.md`` (the tables),
 rewritten after every section, so a run stopped half-way leaves what it had. The exit status is
@@ -32,7 +32,7 @@ Sections, in the order they run (``--sections`` picks some):
     DLS with matched growth and DLS + GCC, faults injected: skip decisions, scale trajectories,
     parameters and optimizer state (bit for bit where the arithmetic is the same), the global
     norm against a float64 oracle and ``clip_grad_norm_``. ``passed`` and ``compared_steps``;
-    the derivation of the matched trajectories is in :mod:`benchmarks.device_correctness`.
+    the derivation of the matched trajectories is in :mod:`device_check.correctness`.
 ``host_syncs`` (JSON key ``host_syncs_per_iteration``)
     CUDA only (on the CPU ``applicable: false`` with the reason): per optimizer and scaler, the
     synchronising operations torch reports in the scaler calls of steady-state iterations
@@ -52,7 +52,7 @@ Sections, in the order they run (``--sections`` picks some):
     graphs; CUDA only), faults injected: the same skipped steps and scales, parameters
     bit-identical across skipped steps and close to the eager run's, nothing compiled after
     warm-up, graph breaks, CUDA graph skips, and the median iteration time of each
-    (:mod:`benchmarks.device_compiled`; ``--quick`` on the CPU: a width-16 model).
+    (:mod:`device_check.compiled`; ``--quick`` on the CPU: a width-16 model).
 
 How to read the report: ``passed`` at the top is the verdict; then ``environment`` (versions,
 GPU, driver, the XLA/CUDA environment variables, JAX's backend and devices, read after the memory
@@ -81,11 +81,14 @@ from typing import Any
 
 import torch
 
-from benchmarks import device_compiled, device_correctness, device_probes, device_report
 from benchmarks.cli import comma_names
 from benchmarks.report import _finite
 from benchmarks.sizes import SIZES
 from benchmarks.timing import CompileCounter, Plan
+from device_check import compiled as device_compiled
+from device_check import correctness as device_correctness
+from device_check import probes as device_probes
+from device_check import report as device_report
 
 SECTIONS = ("memory", "correctness", "host_syncs", "timings", "compiled")
 """The sections, in the order they run (memory first: it must see JAX uninitialized)."""
@@ -225,7 +228,7 @@ class DeviceCheck:
             "quick": quick,
             "passed": None,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(["python -m benchmarks.device_check", *argv]),
+            "command": " ".join(["python -m device_check", *argv]),
             "sections_run": self.sections,
             "timing_sizes": list(self.sizes),
             "environment": torch_environment(self.device),
@@ -339,9 +342,9 @@ def _sections(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m benchmarks.device_check``."""
+    """The argument parser of ``python -m device_check``."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.device_check",
+        prog="python -m device_check",
         description="Check the facade on a device against torch.amp.GradScaler: memory shared "
         "with torch, correctness, host synchronisations and timings. Writes device_check.json "
         "and device_check.md; exits 1 if correctness or a compiled pattern failed or a section "

@@ -1,0 +1,7 @@
+"""``python -m device_check``: see :mod:`device_check.check`."""
+
+import sys
+
+from device_check.check import main
+
+sys.exit(main())
