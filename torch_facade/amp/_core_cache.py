@@ -25,26 +25,39 @@ version, the device kind, the device and the device count; the host CPU (XLA:CPU
 its instruction set); ``XLA_FLAGS``; the JAX options that change lowering (x64, matmul
 precision, dtype promotion); the library's version and a digest of the source of ``amp_core``,
 ``hardware`` and ``torch_facade`` (whose code is traced); the core's name and configuration; and every
-argument's shape and dtype. A stored entry repeats its key in full and is used only if it
-matches. An entry that cannot be read or loaded is compiled again and replaced; a directory
-that cannot be written leaves the run uncached. Like JAX's cache, the directory is trusted:
-loading an executable from it runs its code.
+argument's shape and dtype. A stored entry starts with its key in full, compared before anything
+is unpickled. An entry that cannot be read or loaded is compiled again and replaced (a new file
+renamed over it: concurrent processes never read half an entry); a directory that cannot be
+written leaves the run uncached.
+
+Like JAX's cache, the directory is trusted: loading an executable from it runs its code. So,
+before reading an entry, the folder and the entry (checked on the opened descriptors: a folder
+reached through a symbolic link is checked at its target, an entry that is a symbolic link is
+refused) must belong to the process's user or to root (who could change the user's files
+anyway; a cache prepared by root in an image is usable), and neither their group nor others may
+write them. Otherwise the cache is not read or written for the rest of the run, with one
+``RuntimeWarning`` that says why and how to fix it.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
 import pickle
 import platform
+import secrets
+import stat
 import sys
-import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from torch_facade.amp import _caller
 
 __all__ = ["ENV_VAR", "PersistentCore", "cache_dir", "persistent"]
 
@@ -52,15 +65,18 @@ ENV_VAR = "CSTORCH_AMP_CACHE_DIR"
 """The environment variable that moves the cache (a directory) or turns it off (``off``)."""
 
 _OFF = ("", "0", "off", "false", "none", "no")
-_FORMAT = "cstorch-amp core cache 1"
+_FORMAT = "cstorch-amp core cache 2"
 _PACKAGES = ("amp_core", "hardware", "torch_facade")
+_CHECKABLE = hasattr(os, "geteuid") and hasattr(os, "O_NOFOLLOW") and os.open in os.supports_dir_fd
+"""Whether this platform lets the cache check who owns its folder and entries (POSIX)."""
 
 
 def cache_dir() -> Path | None:
     """The directory the facade's compiled cores are kept in, or ``None`` when it is off.
 
     Read when a core is first made and at each compile (not at import), so a script may set
-    ``CSTORCH_AMP_CACHE_DIR`` or JAX's options before its first decision.
+    ``CSTORCH_AMP_CACHE_DIR`` or JAX's options before its first decision. Always ``None`` on a
+    platform where the owner of a file cannot be checked (not POSIX: Windows).
 
     Example:
         >>> from unittest import mock
@@ -72,6 +88,8 @@ def cache_dir() -> Path | None:
         ...     print(_core_cache.cache_dir())
         /tmp/cores
     """
+    if not _CHECKABLE:
+        return None
     chosen = os.environ.get(ENV_VAR)
     if chosen is not None:
         return None if chosen.strip().lower() in _OFF else Path(chosen).expanduser()
@@ -127,16 +145,23 @@ class PersistentCore:
 
     def _executable(self, args: tuple[Any, ...], structure: str) -> Callable[..., Any]:
         directory = cache_dir()
-        if directory is None:
+        if directory is None or directory in _distrusted:
             return self._jitted  # no cache: jit's own dispatch, as without this class
         device = _device_of(args)
         key = _key(self._name, structure, device)
-        path = directory / (hashlib.sha256(key.encode()).hexdigest() + ".xla")
-        loaded = _load(path, key, device)
+        name = hashlib.sha256(key.encode()).hexdigest() + ".xla"
+        try:
+            loaded = _load(directory, name, key, device)
+        except _Untrusted as untrusted:
+            _distrust(directory, untrusted)
+            return self._jitted
         if loaded is not None:
             return loaded
         compiled = self._jitted.lower(*args).compile()
-        _store(path, key, compiled)
+        try:
+            _store(directory, name, key, compiled)
+        except _Untrusted as untrusted:
+            _distrust(directory, untrusted)
         return compiled
 
 
@@ -225,37 +250,141 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _load(path: Path, key: str, device: jax.Device) -> Callable[..., Any] | None:
-    """The executable stored at ``path`` for ``key``, or ``None`` (absent, unreadable, stale)."""
+# ------------------------------------------------------------------------- the trusted folder
+
+
+class _Untrusted(Exception):
+    """The cache's folder or an entry in it may have been written by someone else."""
+
+    def __init__(self, why: str, fix: str) -> None:
+        super().__init__(why)
+        self.why, self.fix = why, fix
+
+
+_distrusted: set[Path] = set()
+"""The folders found untrusted in this process: not read or written again, warned about once."""
+
+
+def _distrust(directory: Path, untrusted: _Untrusted) -> None:
+    if directory in _distrusted:
+        return
+    _distrusted.add(directory)
+    warnings.warn(
+        f"The facade's compiled-core cache in {directory} is not used in this run: "
+        f"{untrusted.why}. Loading a cache entry runs its code, so the folder and its entries "
+        f"must belong to you (or root) and no one else may write them. To fix it: "
+        f"{untrusted.fix}; or choose another folder with {ENV_VAR}=..., or turn the cache off "
+        f"with {ENV_VAR}=off.",
+        RuntimeWarning,
+        stacklevel=_caller.stacklevel(),
+    )
+
+
+def _check_owner_and_mode(info: os.stat_result, what: str, directory: Path) -> None:
+    """Raises :class:`_Untrusted` unless ``info`` belongs to this process's user or to root and
+    neither its group nor others may write it."""
+    user = os.geteuid()
+    if info.st_uid not in (user, 0):
+        raise _Untrusted(
+            f"{what} belongs to user id {info.st_uid}, not to this process's user ({user})",
+            f"remove {directory} or make it yours (chown -R {user} {directory})",
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _Untrusted(
+            f"{what} may be written by its group or by others (mode "
+            f"{stat.S_IMODE(info.st_mode):o})",
+            f"chmod -R go-w {directory}",
+        )
+
+
+def _open_folder(directory: Path) -> int | None:
+    """A descriptor of ``directory`` once it is trusted, or ``None`` if it cannot be opened
+    (absent, unreadable: nothing to load). The checks are made on the opened folder (a
+    symbolic link is followed, and its target checked), and entries are opened relative to it,
+    so the folder cannot be swapped between the check and the read."""
     try:
-        with open(path, "rb") as stored:
-            stored_key, serialized, in_tree, out_tree = pickle.load(stored)
-        if stored_key != key:
+        folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        _check_owner_and_mode(os.fstat(folder), "the folder", directory)
+    except BaseException:
+        os.close(folder)
+        raise
+    return folder
+
+
+def _header(key: str) -> bytes:
+    """What an entry starts with: the format, the key's length and the key, before the pickle."""
+    encoded = key.encode()
+    return _FORMAT.encode() + b"\n" + len(encoded).to_bytes(8, "big") + encoded
+
+
+def _load(directory: Path, name: str, key: str, device: jax.Device) -> Callable[..., Any] | None:
+    """The executable stored as ``name`` in ``directory`` for ``key``, or ``None`` (absent,
+    unreadable, stale, damaged). Raises :class:`_Untrusted` before reading anything from a
+    folder or an entry someone else may have written; the key is compared before unpickling."""
+    folder = _open_folder(directory)
+    if folder is None:
+        return None
+    try:
+        try:
+            entry = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise _Untrusted(
+                    f"its entry {name} is a symbolic link", f"rm {directory / name}"
+                ) from None
+            return None  # absent or unreadable: compiled
+    finally:
+        os.close(folder)
+    with os.fdopen(entry, "rb") as stored:
+        info = os.fstat(stored.fileno())
+        _check_owner_and_mode(info, f"its entry {name}", directory)
+        if not stat.S_ISREG(info.st_mode):
             return None
+        data = stored.read()
+    header = _header(key)
+    if not data.startswith(header):
+        return None  # another format or another key: not unpickled
+    try:
+        serialized, in_tree, out_tree = pickle.loads(data[len(header) :])
         from jax.experimental import serialize_executable
 
         return serialize_executable.deserialize_and_load(
             serialized, in_tree, out_tree, backend=device.client, execution_devices=[device]
         )
-    except Exception:  # absent, truncated, from another jax: compile again
+    except Exception:  # truncated, damaged, from another jax: compile again
         return None
 
 
-def _store(path: Path, key: str, compiled: Any) -> None:
-    """Writes ``compiled`` to ``path`` atomically; a directory that cannot be written (or a
-    compile that cannot be serialized) leaves the run uncached, silently."""
+def _store(directory: Path, name: str, key: str, compiled: Any) -> None:
+    """Writes ``compiled`` as ``name`` in ``directory`` atomically (a new file, then a rename).
+    A folder that cannot be written (or a compile that cannot be serialized) leaves the run
+    uncached, silently; a folder someone else may write raises :class:`_Untrusted`."""
     try:
         from jax.experimental import serialize_executable
 
         serialized, in_tree, out_tree = serialize_executable.serialize(compiled)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        data = _header(key) + pickle.dumps((serialized, in_tree, out_tree))
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except Exception:
+        return
+    folder = _open_folder(directory)
+    if folder is None:
+        return
+    temporary = f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        out = os.open(temporary, flags, 0o600, dir_fd=folder)
         try:
-            with os.fdopen(handle, "wb") as out:
-                pickle.dump((key, serialized, in_tree, out_tree), out)
-            os.replace(temporary, path)
+            with os.fdopen(out, "wb") as written:
+                written.write(data)
+            os.replace(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException:
-            os.unlink(temporary)
+            os.unlink(temporary, dir_fd=folder)
             raise
     except Exception:
         return
+    finally:
+        os.close(folder)
