@@ -19,6 +19,7 @@ from amp_core.diagnostics import (
     LeafReport,
     gradient_range_report,
     gradient_range_totals,
+    suggested_loss_scale,
     nonfinite_report,
     scaler_metrics,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "global_norm_of_unscaled",
     "gradient_range_report",
     "gradient_range_totals",
+    "suggested_loss_scale",
     "init",
     "init_on_host",
     "inverse_scale",
