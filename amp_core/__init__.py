@@ -19,9 +19,9 @@ from amp_core.diagnostics import (
     LeafReport,
     gradient_range_report,
     gradient_range_totals,
-    suggested_loss_scale,
     nonfinite_report,
     scaler_metrics,
+    suggested_loss_scale,
 )
 from amp_core.scaling import (
     CLIP_EPSILON,
@@ -89,7 +89,6 @@ __all__ = [
     "global_norm_of_unscaled",
     "gradient_range_report",
     "gradient_range_totals",
-    "suggested_loss_scale",
     "init",
     "init_on_host",
     "inverse_scale",
@@ -103,6 +102,7 @@ __all__ = [
     "select_if_finite",
     "state_dict_keys",
     "step_applied",
+    "suggested_loss_scale",
     "sum_of_unscaled_squares",
     "to_state_dict",
     "unscale_and_check",

@@ -240,7 +240,9 @@ def gradient_range_totals(report: Any) -> GradientRange:
     return GradientRange(**counts, headroom=headroom)
 
 
-def suggested_loss_scale(grads: Any, *, half_dtype: Any = "float16", headroom: int = 2) -> jax.Array:
+def suggested_loss_scale(
+    grads: Any, *, half_dtype: Any = "float16", headroom: int = 2
+) -> jax.Array:
     """The largest power of two that leaves ``headroom`` doublings between the largest gradient
     element, multiplied by it, and overflow in ``half_dtype``.
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -327,6 +327,21 @@ def _underflow_fraction(grads: Any, fmt: str, scale: float) -> float:
     """The fraction of gradient elements that underflow in ``fmt`` at ``scale``."""
     total = jax.device_get(_range_totals(nnx.to_pure_dict(grads), fmt, jnp.float32(scale)))
     return int(total.underflows) / max(int(total.size), 1)
+
+
+def first_step_ranges(
+    settings: Settings, windows: np.ndarray, formats: Sequence[str]
+) -> dict[str, tuple[float, float]]:
+    """The gradient-range report of the first step, per format (see
+    :func:`demo.torch_door.first_step_ranges`)."""
+    model = GPT(settings.size, settings.seed)
+    divisor = jnp.float32(settings.loss_divisor)
+    grads = _float32_grads(model, jnp.asarray(windows), divisor)
+    ranges = {}
+    for fmt in formats:
+        suggested = amp_core.suggested_loss_scale(nnx.to_pure_dict(grads), half_dtype=fmt)
+        ranges[fmt] = (_underflow_fraction(grads, fmt, 1.0), float(suggested))
+    return ranges
 
 
 def gradient_log2(grads: Any) -> np.ndarray:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -283,6 +283,25 @@ def train_row(
         underflow_at_scale=underflow_at_scale,
         time_per_step_s=float(np.median(times[1:] if len(times) > 1 else times)),
     )
+
+
+def first_step_ranges(
+    settings: Settings, windows: np.ndarray, formats: Sequence[str]
+) -> dict[str, tuple[float, float]]:
+    """The gradient-range report of the first step, per format: the float32 gradients of the
+    initial weights on ``windows``, the loss divided by ``settings.loss_divisor``.
+
+    Returns:
+        Per format, the fraction of gradient elements that underflow at scale 1 and the
+        report's suggested loss scale.
+    """
+    model = make_model(settings.size, settings.seed)
+    float32_gradients(model, windows, settings.loss_divisor)
+    ranges = {}
+    for fmt in formats:
+        found = cstorch.amp.gradient_range_report(model, half_dtype=fmt)
+        ranges[fmt] = (found.underflow_fraction, found.suggested_loss_scale)
+    return ranges
 
 
 def gradient_log2(model: torch.nn.Module) -> np.ndarray:
