@@ -501,11 +501,13 @@ def as_json(sweeps: Sequence[DoorSweep]) -> dict[str, Any]:
 
 def markdown(sweeps: Sequence[DoorSweep], plots: Sequence[Path]) -> list[str]:
     """``demo.md``'s sweep section."""
+    steps = ", ".join(sorted({str(s.plan.steps) for s in sweeps}))
     parts = [
         "## Where loss scaling matters: tokens per optimizer step",
         "",
-        "Each micro-batch's loss divided by k before backward (one micro-batch per step: the "
-        "numerics of every micro-batch of a k-step accumulation, not its data).",
+        f"{steps} steps per row; each micro-batch's loss divided by k before backward (one "
+        "micro-batch per step: the numerics of every micro-batch of a k-step accumulation, not "
+        "its data; `(real)`: k micro-batches per step, accumulated).",
         "",
     ]
     for sweep in sweeps:
