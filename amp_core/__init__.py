@@ -21,6 +21,7 @@ from amp_core.diagnostics import (
     gradient_range_totals,
     nonfinite_report,
     scaler_metrics,
+    suggested_loss_scale,
 )
 from amp_core.scaling import (
     CLIP_EPSILON,
@@ -101,6 +102,7 @@ __all__ = [
     "select_if_finite",
     "state_dict_keys",
     "step_applied",
+    "suggested_loss_scale",
     "sum_of_unscaled_squares",
     "to_state_dict",
     "unscale_and_check",

@@ -240,6 +240,64 @@ def gradient_range_totals(report: Any) -> GradientRange:
     return GradientRange(**counts, headroom=headroom)
 
 
+def suggested_loss_scale(
+    grads: Any, *, half_dtype: Any = "float16", headroom: int = 2
+) -> jax.Array:
+    """The largest power of two that leaves ``headroom`` doublings between the largest gradient
+    element, multiplied by it, and overflow in ``half_dtype``.
+
+    A starting loss scale read off the gradients themselves: the scale that lifts the small
+    gradient elements as far above the format's underflow as the largest element allows, less a
+    margin of ``headroom`` doublings for gradients that grow. With the suggested scale ``s``,
+    ``gradient_range_report(grads, half_dtype=half_dtype, loss_scale=s)`` reports a headroom of
+    exactly ``headroom``. Read-only and jittable; it reads every element, like
+    :func:`gradient_range_report`.
+
+    Args:
+        grads: a pytree of *unscaled* gradients (of a float32 backward pass, for instance);
+            non-floating leaves and inf or NaN elements are ignored.
+        half_dtype: the format (the names :func:`hardware.get_format` accepts, a JAX dtype or a
+            :class:`hardware.FloatFormat`).
+        headroom: doublings to leave before the largest element overflows, a non-negative
+            integer.
+
+    Returns:
+        A float32 0-d array: a power of two, at most ``2**127`` (float32's largest), smaller
+        than 1 when the gradients overflow the format already; ``inf`` when no element is
+        finite and nonzero (any scale fits).
+
+    Raises:
+        ValueError: ``half_dtype`` names no known format, or ``headroom`` is not a non-negative
+            integer.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp
+        >>> grads = {"w": jnp.array([3e-9, 0.5]), "b": jnp.array([-2.0**-6])}
+        >>> float(amp_core.suggested_loss_scale(grads, half_dtype="float16", headroom=0))
+        65536.0
+        >>> float(amp_core.suggested_loss_scale(grads, half_dtype="float16"))  # 2 doublings
+        16384.0
+    """
+    try:
+        fmt = get_format(half_dtype)
+    except ValueError as err:
+        raise ValueError(f"half_dtype: {err}") from None
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, np.integer)) or headroom < 0:
+        raise ValueError(f"headroom must be a non-negative integer (doublings); got {headroom!r}")
+    largest = jnp.zeros((), jnp.float32)
+    for leaf in jax.tree_util.tree_leaves(grads):
+        leaf = jnp.asarray(leaf)
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            magnitude = jnp.abs(leaf.astype(jnp.float32))
+            largest = jnp.maximum(
+                largest, jnp.max(jnp.where(jnp.isfinite(magnitude), magnitude, 0.0), initial=0.0)
+            )
+    doublings = _headroom(largest, fmt)  # at scale 1
+    exponent = jnp.clip(jnp.where(jnp.isinf(doublings), 0.0, doublings) - headroom, -149, 127)
+    scale = jnp.ldexp(jnp.float32(1.0), exponent.astype(jnp.int32))
+    return jnp.where(largest == 0, jnp.float32(jnp.inf), scale)
+
+
 def _scale_of(loss_scale: Any) -> jax.Array:
     """The loss scale as a float32 0-d array (from a number, an array or a scaler state)."""
     if isinstance(loss_scale, (int, float, np.integer, np.floating)) and not isinstance(

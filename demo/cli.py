@@ -1,8 +1,9 @@
 """Command line of ``python -m demo`` (and ``make demo``).
 
-``python -m demo`` trains the quick run (both front doors, every row) and writes
-``demo_output/demo.md``, ``demo.json`` and three PNGs per front door; ``--full`` runs the
-documented numbers (more steps, and float32 over three seeds for its spread).
+``python -m demo`` trains the quick run (both front doors, every row, then the loss-scaling
+sweep at k = 1 and 256, :mod:`demo.sweep`) and writes ``demo_output/demo.md``, ``demo.json`` and
+the PNGs; ``--full`` runs the documented numbers (more steps, float32 over three seeds for its
+spread, and the whole sweep); ``--sweep-only`` runs the sweep alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from demo import report
+from demo import report, sweep
 from demo.rows import DoorResult, RowResult, rows_for
 from demo.text import Settings, held_out_windows, load_corpus, training_windows
 
@@ -67,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="which front door to run (default both)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the loss-scaling sweep over tokens per step (k = "
+        f"{', '.join(map(str, sweep.QUICK.ks))}; with --full k = "
+        f"{', '.join(map(str, sweep.FULL.ks))}, {sweep.FULL.steps} steps, and k = "
+        f"{sweep.FULL.accumulate_k} with real accumulation), not the main table",
+    )
     parser.add_argument(
         "--distributed",
         action="store_true",
@@ -138,7 +147,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [args.seed, args.seed + 1, args.seed + 2] if args.full else [args.seed]
     doors = list(FRONT_DOORS) if args.front_door == "both" else [args.front_door]
     command = "python -m demo " + " ".join(argv if argv is not None else sys.argv[1:])
-    run(settings, doors, seeds, args.out_dir, command.strip(), progress=not args.no_progress)
+    plan = sweep.FULL if args.full else sweep.QUICK
+    if args.steps is not None:
+        plan = dataclasses.replace(plan, steps=args.steps)
+    run(
+        settings,
+        doors,
+        seeds,
+        args.out_dir,
+        command.strip(),
+        progress=not args.no_progress,
+        plan=plan,
+        table=not args.sweep_only,
+    )
     return 0
 
 
@@ -149,9 +170,11 @@ def run(
     out_dir: Path,
     command: str,
     progress: bool = True,
+    plan: sweep.SweepPlan | None = None,
+    table: bool = True,
 ) -> list[DoorResult]:
-    """Trains every row of ``doors``, prints the tables, writes ``demo.md``, ``demo.json`` and
-    the plots into ``out_dir``.
+    """Trains every row of ``doors``, then the sweep, prints the tables, writes ``demo.md``,
+    ``demo.json`` and the plots into ``out_dir``.
 
     Args:
         settings: model size, optimizer, steps, seed.
@@ -161,6 +184,8 @@ def run(
         out_dir: the output folder (created).
         command: the command line, for the header.
         progress: show progress bars.
+        plan: the loss-scaling sweep (:mod:`demo.sweep`), or ``None`` for none.
+        table: train the main table (``False``: the sweep alone).
 
     Returns:
         One :class:`~demo.rows.DoorResult` per front door.
@@ -183,14 +208,25 @@ def run(
     print(header[-1], flush=True)
     start = time.perf_counter()
     results = []
+    sweeps = []
     for name in doors:
-        results.append(run_door(name, settings, seeds, progress))
-        print(f"\n{name} front door ({time.perf_counter() - start:.0f} s so far)")
-        print(report.text_table(results[-1]))
-        for line in report.verdict_lines(results[-1]):
-            print(line)
+        if table:
+            results.append(run_door(name, settings, seeds, progress))
+            print(f"\n{name} front door ({time.perf_counter() - start:.0f} s so far)")
+            print(report.text_table(results[-1]))
+            for line in report.verdict_lines(results[-1]):
+                print(line)
+        if plan is not None:
+            same = table and plan.steps == settings.steps
+            reuse = {r.row.key: r for r in results[-1].rows} if same else None
+            sweeps.append(sweep.run_sweep(name, settings, plan, progress, reuse))
+            print(f"\n{name} sweep ({time.perf_counter() - start:.0f} s so far)")
+            print(sweep.text_table(sweeps[-1]))
+            for line in sweep.verdict_lines(sweeps[-1]):
+                print(line)
         sys.stdout.flush()
     plots = [p for door in results for p in report.plot_door(door, out_dir)]
+    sweep_plots = sweep.plot_all(sweeps, out_dir) if sweeps else []
     elapsed = time.perf_counter() - start
     header[2] += f" Took {elapsed:.0f} s."
     meta = {
@@ -198,11 +234,18 @@ def run(
         "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%dT%H:%M}Z",
         "settings": dataclasses.asdict(settings),
         "elapsed_s": elapsed,
+        "sweep_plan": None if plan is None else dataclasses.asdict(plan),
+        **sweep.as_json(sweeps),
     }
+    markdown = report.write_markdown(results, out_dir / "demo.md", header, plots)
+    if sweeps:
+        with markdown.open("a", encoding="utf-8") as file:
+            file.write("\n" + "\n".join(sweep.markdown(sweeps, sweep_plots)) + "\n")
     written = [
-        report.write_markdown(results, out_dir / "demo.md", header, plots),
+        markdown,
         report.write_json(results, out_dir / "demo.json", meta),
         *plots,
+        *sweep_plots,
     ]
     print(f"\nwrote {', '.join(str(p) for p in written)} in {elapsed:.0f} s")
     return results

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -150,25 +150,58 @@ def _config(row: Row, settings: Settings) -> amp_core.LossScaleConfig:
     )
 
 
-def _amp_core_step(graphdef: Any, state: Any, windows: jax.Array) -> tuple[Any, jax.Array, ...]:
+def _loss_and_grads(
+    model: GPT, windows: jax.Array, divisor: jax.Array, scale_loss: Callable[[jax.Array], Any]
+) -> tuple[jax.Array, Any]:
+    """The mean loss and the gradients of ``scale_loss(loss / divisor)``.
+
+    ``windows`` of ``(batch, n_positions + 1)``: one micro-batch. ``(micro_batches, batch,
+    n_positions + 1)``: the micro-batches one after the other (a ``lax.scan``), their gradients
+    summed in float32, as the torch loop's ``.grad`` accumulates them.
+    """
+
+    def objective(m: GPT, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+        loss = cross_entropy(m, w)
+        return scale_loss(loss / divisor), loss
+
+    if windows.ndim == 2:
+        (_, loss), grads = nnx.value_and_grad(objective, has_aux=True)(model, windows)
+        return loss, grads
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro(total: Any, w: jax.Array) -> tuple[Any, jax.Array]:
+        (_, loss), g = jax.value_and_grad(
+            lambda p: objective(nnx.merge(graph, p, rest), w), has_aux=True
+        )(params)
+        return jax.tree.map(jnp.add, total, g), loss
+
+    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), windows)
+    return losses.mean(), grads
+
+
+def _amp_core_step(
+    graphdef: Any, state: Any, windows: jax.Array, divisor: jax.Array
+) -> tuple[Any, jax.Array, ...]:
     """One step of ``LossScaledOptimizer``: returns the new state, the loss, the scale the
     step used and whether it was skipped."""
     model, optimizer = nnx.merge(graphdef, state)
     scale = optimizer.scaler.loss_scale
-    loss, grads = nnx.value_and_grad(lambda m: optimizer.scale_loss(cross_entropy(m, windows)))(
-        model
-    )
+    loss, grads = _loss_and_grads(model, windows, divisor, optimizer.scale_loss)
     isfinite = optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss / scale, scale, ~isfinite
+    return nnx.state((model, optimizer)), loss, scale, ~isfinite
 
 
 def _jmp_step(
-    graphdef: Any, state: Any, scaler: tuple[jax.Array, jax.Array], windows: jax.Array
+    graphdef: Any,
+    state: Any,
+    scaler: tuple[jax.Array, jax.Array],
+    windows: jax.Array,
+    divisor: jax.Array,
 ) -> tuple[Any, jax.Array, ...]:
     """One step with ``jmp.DynamicLossScale`` (its two arrays passed as ``scaler``)."""
     model, optimizer = nnx.merge(graphdef, state)
     loss_scale = jmp.DynamicLossScale(*scaler, period=PEER_GROWTH_INTERVAL)
-    loss, grads = nnx.value_and_grad(lambda m: loss_scale.scale(cross_entropy(m, windows)))(model)
+    loss, grads = _loss_and_grads(model, windows, divisor, loss_scale.scale)
     grads = loss_scale.unscale(grads)
     finite = jmp.all_finite(grads)
     before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # the values, not Variables
@@ -178,7 +211,7 @@ def _jmp_step(
     scale = loss_scale.loss_scale
     return (
         nnx.state((model, optimizer)),
-        loss / scale,
+        loss,
         scale,
         ~finite,
         (new.loss_scale, new.counter),
@@ -209,8 +242,8 @@ def _held_out(model: GPT, windows: jax.Array) -> jax.Array:
 
 
 @nnx.jit
-def _float32_grads(model: GPT, windows: jax.Array) -> Any:
-    return nnx.grad(cross_entropy)(model, windows)
+def _float32_grads(model: GPT, windows: jax.Array, divisor: jax.Array) -> Any:
+    return nnx.grad(lambda m: cross_entropy(m, windows) / divisor)(model)
 
 
 def train_row(
@@ -237,14 +270,16 @@ def train_row(
     scales: list[float] = []
     times: list[float] = []
     bar = tqdm(range(settings.steps), desc=f"jax {row.label}", disable=not progress, unit="step")
+    divisor = jnp.float32(settings.loss_divisor)
     for step in bar:
         start = time.perf_counter()
         windows = jnp.asarray(batches[step])
         if row.scaling == "peer":
             step_fn = _STEPS["jmp", row.fmt]
-            state, loss, scale, skip, scaler = step_fn(graphdef, state, scaler, windows)
+            state, loss, scale, skip, scaler = step_fn(graphdef, state, scaler, windows, divisor)
         else:
-            state, loss, scale, skip = _STEPS["amp_core", row.fmt](graphdef, state, windows)
+            step_fn = _STEPS["amp_core", row.fmt]
+            state, loss, scale, skip = step_fn(graphdef, state, windows, divisor)
         loss, scale, skip = jax.device_get((loss, scale, skip))
         losses.append(float(loss))
         scales.append(float(scale))
@@ -259,7 +294,8 @@ def train_row(
     else:
         final_scale = float(optimizer.scaler.loss_scale)
     model.fmt = "float32"  # the master weights, measured in float32
-    grads = _float32_grads(model, jnp.asarray(batches[-1]))
+    last = batches[-1][0] if settings.micro_batches > 1 else batches[-1]
+    grads = _float32_grads(model, jnp.asarray(last), divisor)
     if on_gradients is not None:
         on_gradients(grads)
     underflow_at_1 = underflow_at_scale = None
@@ -291,6 +327,21 @@ def _underflow_fraction(grads: Any, fmt: str, scale: float) -> float:
     """The fraction of gradient elements that underflow in ``fmt`` at ``scale``."""
     total = jax.device_get(_range_totals(nnx.to_pure_dict(grads), fmt, jnp.float32(scale)))
     return int(total.underflows) / max(int(total.size), 1)
+
+
+def first_step_ranges(
+    settings: Settings, windows: np.ndarray, formats: Sequence[str]
+) -> dict[str, tuple[float, float]]:
+    """The gradient-range report of the first step, per format (see
+    :func:`demo.torch_door.first_step_ranges`)."""
+    model = GPT(settings.size, settings.seed)
+    divisor = jnp.float32(settings.loss_divisor)
+    grads = _float32_grads(model, jnp.asarray(windows), divisor)
+    ranges = {}
+    for fmt in formats:
+        suggested = amp_core.suggested_loss_scale(nnx.to_pure_dict(grads), half_dtype=fmt)
+        ranges[fmt] = (_underflow_fraction(grads, fmt, 1.0), float(suggested))
+    return ranges
 
 
 def gradient_log2(grads: Any) -> np.ndarray:

@@ -64,6 +64,13 @@ class Settings:
             starts them all there (with ``max_loss_scale`` as high), e.g. to watch an overflow
             episode.
         size: the model size.
+        loss_divisor: ``k``: every micro-batch's loss is divided by ``k`` before
+            ``backward()``, as a loop that accumulates ``k`` micro-batches writes it
+            (``loss / accumulation_steps``); the gradients of every micro-batch are ``k`` times
+            smaller. With ``micro_batches=1`` one micro-batch stands for the numerics of each
+            micro-batch of a ``k``-step accumulation, not for its data.
+        micro_batches: micro-batches of ``batch_size`` windows per optimizer step, their
+            gradients summed (real accumulation; 1: none).
     """
 
     steps: int = 100
@@ -76,6 +83,20 @@ class Settings:
     eval_windows: int = 256
     init_scale: float | None = None
     size: ModelSize = ModelSize()
+    loss_divisor: int = 1
+    micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("loss_divisor", "micro_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1; got {value!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens whose mean one micro-batch's loss stands for: ``batch_size * n_positions *
+        loss_divisor`` (those of a ``loss_divisor``-step accumulation)."""
+        return self.batch_size * self.size.n_positions * self.loss_divisor
 
     def learning_rate_at(self, step: Any) -> Any:
         """The learning rate of optimizer step ``step`` (0-based; a number, or a JAX or numpy
@@ -162,14 +183,20 @@ def load_corpus(root: Path | None = None) -> Corpus:
 
 
 def training_windows(corpus: Corpus, settings: Settings) -> np.ndarray:
-    """Every step's batch: ``(steps, batch_size, n_positions + 1)`` int32 byte windows.
+    """Every step's batch: ``(steps, batch_size, n_positions + 1)`` int32 byte windows, or
+    ``(steps, micro_batches, batch_size, n_positions + 1)`` with more than one micro-batch.
 
     The inputs of a window are its first ``n_positions`` bytes, the targets its last
-    ``n_positions`` (the next byte of each position). Drawn from ``settings.seed``.
+    ``n_positions`` (the next byte of each position). Drawn from ``settings.seed``; with micro
+    batches, the first micro-batch of every step is the batch of the same step without them.
     """
     length = settings.size.n_positions + 1
     rng = np.random.default_rng(settings.seed)
-    starts = rng.integers(0, len(corpus.train) - length, (settings.steps, settings.batch_size))
+    high = len(corpus.train) - length
+    starts = rng.integers(0, high, (settings.steps, settings.batch_size))
+    if settings.micro_batches > 1:
+        shape = (settings.steps, settings.micro_batches - 1, settings.batch_size)
+        starts = np.concatenate([starts[:, None], rng.integers(0, high, shape)], axis=1)
     return corpus.train[starts[..., None] + np.arange(length)].astype(np.int32)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -147,10 +147,11 @@ def held_out_loss(model: torch.nn.Module, windows: np.ndarray) -> float:
         return float(cross_entropy(model, torch.from_numpy(windows)))
 
 
-def float32_gradients(model: torch.nn.Module, windows: np.ndarray) -> None:
-    """Leaves the float32 gradients of the loss on ``windows`` in ``model``'s ``.grad``."""
+def float32_gradients(model: torch.nn.Module, windows: np.ndarray, loss_divisor: int = 1) -> None:
+    """Leaves the float32 gradients of the loss on ``windows`` (divided by ``loss_divisor``, as
+    one micro-batch of an accumulation has them) in ``model``'s ``.grad``."""
     model.zero_grad()
-    cross_entropy(model, torch.from_numpy(windows)).backward()
+    (cross_entropy(model, torch.from_numpy(windows)) / loss_divisor).backward()
 
 
 class _Scaler:
@@ -181,13 +182,15 @@ class _Scaler:
     def scale(self) -> float:
         return 1.0 if self.scaler is None else float(self.scaler.get_scale())
 
-    def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
-        """Backward, step and update; returns whether the step was skipped."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """``backward()`` of the (scaled) loss: once per micro-batch."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step and update after the backward passes; returns whether the step was skipped."""
         if self.scaler is None:
-            loss.backward()
             optimizer.step()
             return False
-        self.scaler.scale(loss).backward()
         if self.kind == "peer":
             self.scaler.step(optimizer)
             before = self.scaler.get_scale()
@@ -211,7 +214,9 @@ def train_row(
     Args:
         row: the row (format and loss scaling).
         settings: model size, optimizer, steps.
-        batches: ``(steps, batch, n_positions + 1)`` training windows.
+        batches: ``(steps, batch, n_positions + 1)`` training windows, or ``(steps,
+            micro_batches, batch, n_positions + 1)`` (``settings.micro_batches > 1``: the loop
+            accumulates them, each loss divided by ``settings.loss_divisor``).
         held_out: the held-out windows.
         progress: show a tqdm bar.
         on_gradients: called with the model after the final float32 gradients were computed
@@ -238,9 +243,14 @@ def train_row(
                 group["lr"] = float(settings.learning_rate_at(applied))
             scales.append(scaler.scale())
             optimizer.zero_grad()
-            loss = cross_entropy(model, torch.from_numpy(batches[step]))
-            skipped.append(scaler.step(loss, optimizer))
-            losses.append(loss.item())
+            micro = batches[step] if settings.micro_batches > 1 else batches[step][None]
+            loss = 0.0
+            for windows in micro:
+                micro_loss = cross_entropy(model, torch.from_numpy(windows))
+                scaler.backward(micro_loss / settings.loss_divisor)  # as users accumulate
+                loss += micro_loss.item() / len(micro)
+            skipped.append(scaler.step(optimizer))
+            losses.append(loss)
             times.append(time.perf_counter() - start)
             if step % 10 == 0 or skipped[-1]:
                 bar.set_postfix(
@@ -248,7 +258,8 @@ def train_row(
                 )
     bar.close()
     final_scale = scaler.scale()
-    float32_gradients(model, batches[-1])
+    last = batches[-1][0] if settings.micro_batches > 1 else batches[-1]
+    float32_gradients(model, last, settings.loss_divisor)
     if on_gradients is not None:
         on_gradients(model)
     underflow_at_1 = underflow_at_scale = None
@@ -272,6 +283,25 @@ def train_row(
         underflow_at_scale=underflow_at_scale,
         time_per_step_s=float(np.median(times[1:] if len(times) > 1 else times)),
     )
+
+
+def first_step_ranges(
+    settings: Settings, windows: np.ndarray, formats: Sequence[str]
+) -> dict[str, tuple[float, float]]:
+    """The gradient-range report of the first step, per format: the float32 gradients of the
+    initial weights on ``windows``, the loss divided by ``settings.loss_divisor``.
+
+    Returns:
+        Per format, the fraction of gradient elements that underflow at scale 1 and the
+        report's suggested loss scale.
+    """
+    model = make_model(settings.size, settings.seed)
+    float32_gradients(model, windows, settings.loss_divisor)
+    ranges = {}
+    for fmt in formats:
+        found = cstorch.amp.gradient_range_report(model, half_dtype=fmt)
+        ranges[fmt] = (found.underflow_fraction, found.suggested_loss_scale)
+    return ranges
 
 
 def gradient_log2(model: torch.nn.Module) -> np.ndarray:

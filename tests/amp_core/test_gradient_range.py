@@ -151,3 +151,64 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
 def test_totals_reject_what_is_not_a_report() -> None:
     with pytest.raises(TypeError, match="report must be the result of gradient_range_report"):
         amp_core.gradient_range_totals({"w": jnp.ones(2)})
+
+
+# The suggested loss scale: hand-computed powers of two. float16's largest value is 65504 and
+# x rounds to inf from 65520 on; cbfloat16's largest is (2 - 2**-9) * 2**31; bfloat16's
+# (2 - 2**-7) * 2**127.
+SUGGESTIONS = [
+    # (largest |gradient|, format, headroom, the largest power of two s with round(g * s * 2**h)
+    # finite: worked by hand)
+    (0.5, "float16", 0, 2.0**16),  # 0.5 * 2**16 = 32768 <= 65504; 0.5 * 2**17 = 65536 -> inf
+    (0.5, "float16", 2, 2.0**14),
+    (3.0, "float16", 0, 2.0**14),  # 3 * 2**14 = 49152; 3 * 2**15 = 98304 -> inf
+    (65504.0, "float16", 0, 1.0),
+    (65520.0, "float16", 0, 0.5),  # rounds to inf at scale 1 already
+    (2.0**-20, "float16", 1, 2.0**34),  # 2**-20 * 2**35 = 2**15 <= 65504; 2**16 -> inf
+    (1.0, "cbfloat16", 0, 2.0**31),
+    (1.0, "cbfloat16", 3, 2.0**28),
+    (1.0, "bfloat16", 0, 2.0**127),
+    (2.0**-30, "bfloat16", 0, 2.0**127),  # 2**157 would do, but float32 stops at 2**127
+    (1e5, "float16", 2, 2.0**-3),  # 1e5 / 8 = 12500, x 4 = 50000 <= 65504; x 8 -> inf
+]
+
+
+@pytest.mark.parametrize(("largest", "fmt", "headroom", "expected"), SUGGESTIONS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_suggested_loss_scale_is_the_largest_power_of_two_leaving_the_headroom(
+    largest: float, fmt: str, headroom: int, expected: float, jit: bool
+) -> None:
+    small = RNG.uniform(-1, 1, 50).astype(np.float32) * np.float32(largest) / 4
+    grads = {
+        "w": jnp.asarray(np.append(small, -largest).astype(np.float32)),
+        "b": jnp.array([0.0, np.nan, np.inf], jnp.float32),  # ignored
+        "step": jnp.arange(3),  # not a gradient
+    }
+
+    def suggest(g: dict) -> jax.Array:
+        return amp_core.suggested_loss_scale(g, half_dtype=fmt, headroom=headroom)
+
+    got = float((jax.jit(suggest) if jit else suggest)(grads))
+    assert got == expected
+    if expected < 2.0**127:  # the report at the suggestion shows exactly the headroom asked for
+        finite = {"w": grads["w"]}
+        report = amp_core.gradient_range_report(finite, half_dtype=fmt, loss_scale=got)
+        assert float(report["w"].headroom) == headroom
+
+
+def test_the_suggested_loss_scale_of_zero_gradients_is_unbounded() -> None:
+    assert float(amp_core.suggested_loss_scale({"w": jnp.zeros(3)})) == math.inf
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"half_dtype": "float8"}, "half_dtype: unknown number format 'float8'"),
+        ({"headroom": -1}, r"headroom must be a non-negative integer \(doublings\); got -1"),
+        ({"headroom": 1.5}, "headroom must be a non-negative integer .* got 1.5"),
+        ({"headroom": True}, "headroom must be a non-negative integer .* got True"),
+    ],
+)
+def test_the_suggested_loss_scale_names_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        amp_core.suggested_loss_scale(jnp.ones(2), **kwargs)

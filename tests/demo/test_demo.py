@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from demo import cli, jax_door, torch_door
+from demo import cli, jax_door, sweep, torch_door
 from demo.rows import rows_for
 from demo.text import (
     HELD_OUT_EVERY,
@@ -84,10 +85,15 @@ def test_dtype_numerics_rounds_weights_and_outputs_then_removes_itself() -> None
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+TINY_SWEEP = sweep.SweepPlan(ks=(1, 4), rows=sweep.QUICK_ROWS, steps=3, accumulate_k=4)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, Path]:
     out_dir = tmp_path_factory.mktemp("demo")
-    results = cli.run(TINY, ["torch", "jax"], [0, 1], out_dir, "python -m demo --tiny", False)
+    results = cli.run(
+        TINY, ["torch", "jax"], [0, 1], out_dir, "python -m demo --tiny", False, plan=TINY_SWEEP
+    )
     return results, out_dir
 
 
@@ -158,6 +164,7 @@ def test_the_library_and_the_peer_take_the_same_skip_decisions(front_door: str) 
         ([], cli.QUICK_STEPS, [0], ["torch", "jax"]),
         (["--full", "--seed", "4"], cli.FULL_STEPS, [4, 5, 6], ["torch", "jax"]),
         (["--steps", "7", "--front-door", "jax"], 7, [0], ["jax"]),
+        (["--full", "--sweep-only"], cli.FULL_STEPS, [0, 1, 2], ["torch", "jax"]),
     ],
 )
 def test_the_command_line_runs_what_it_says(
@@ -168,7 +175,13 @@ def test_the_command_line_runs_what_it_says(
     assert cli.main([*argv, "--out-dir", str(tmp_path), "--no-progress"]) == 0
     (settings, run_doors, run_seeds, out_dir, command), kwargs = calls[0]
     assert (settings.steps, settings.seed, run_seeds, run_doors) == (steps, seeds[0], seeds, doors)
-    assert out_dir == tmp_path and kwargs == {"progress": False}
+    plan = sweep.FULL if "--full" in argv else sweep.QUICK
+    assert kwargs == {
+        "progress": False,
+        "plan": dataclasses.replace(plan, steps=steps) if "--steps" in argv else plan,
+        "table": "--sweep-only" not in argv,
+    }
+    assert out_dir == tmp_path
     assert command.startswith("python -m demo")
 
 
@@ -189,3 +202,117 @@ def test_bad_arguments_get_clear_errors(
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+SWEEP_KEYS = {
+    "front_door",
+    "k",
+    "tokens_per_step",
+    "row",
+    "format",
+    "scaling",
+    "held_out_loss",
+    "ratio_to_float32",
+    "skipped_steps",
+    "underflow_at_1",
+    "underflow_at_scale",
+}
+
+
+def test_the_tiny_run_writes_the_sweep(tiny_run: tuple[list, Path]) -> None:
+    results, out_dir = tiny_run
+    data = json.loads((out_dir / "demo.json").read_text())
+    entries = data["sweep"]
+    # Per door: 5 rows at k = 1 and at k = 4, and 4 rows with 4 real micro-batches.
+    assert len(entries) == 2 * (2 * 5 + 4)
+    assert all(SWEEP_KEYS <= set(e) for e in entries)
+    for door in results:
+        mine = [e for e in entries if e["front_door"] == door.front_door]
+        assert [e["k"] for e in mine] == [1] * 5 + [4] * 5 + [4] * 4
+        assert [e["micro_batches"] for e in mine] == [1] * 10 + [4] * 4
+        assert [e["row"] for e in mine[:5]] == list(sweep.QUICK_ROWS)
+        assert all(e["tokens_per_step"] == 4 * 16 * e["k"] for e in mine)
+        # k = 1 is the main table's run, not trained again.
+        for e in mine[:5]:
+            assert e["held_out_loss"] == door.row(e["row"]).held_out_loss
+        for start in (0, 5, 10):
+            assert mine[start]["row"] == "float32" and mine[start]["ratio_to_float32"] == 1.0
+            assert mine[start]["underflow_at_1"] is None
+        scaled = [e for e in mine if e["scaling"] != "none"]
+        assert all(e["underflow_at_scale"] is not None for e in scaled)
+        # Dividing every gradient by 4 moves the largest element down two binades: the
+        # suggested scale is exactly 4 times larger, and no fewer elements underflow.
+        guess = {
+            (p["k"], p["fmt"]): p
+            for p in data["sweep_predictions"]
+            if p["front_door"] == door.front_door
+        }
+        for fmt in sweep.HALF_FORMATS:
+            one, four = guess[1, fmt], guess[4, fmt]
+            assert four["suggested_loss_scale"] == 4 * one["suggested_loss_scale"]
+            assert four["underflow_at_1"] >= one["underflow_at_1"]
+        assert guess[1, "bfloat16"]["underflow_at_1"] == 0.0
+    # The same real accumulation through both front doors: float32 agrees.
+    real = [e["held_out_loss"] for e in entries if e["micro_batches"] == 4 and e["k"] == 4]
+    assert real[0] == pytest.approx(real[4], rel=1e-4)
+    text = (out_dir / "demo.md").read_text()
+    assert "## Where loss scaling matters" in text and "k = 4, real accumulation" in text
+    for name in ("sweep_losses", "sweep_underflow", "torch_sweep_gradients", "jax_sweep_gradients"):
+        png = out_dir / f"{name}.png"
+        assert png.read_bytes().startswith(b"\x89PNG") and f"({png.name})" in text
+
+
+@pytest.mark.parametrize("front_door", ["torch", "jax"])
+def test_real_accumulation_of_one_batch_twice_is_the_step_of_that_batch(front_door: str) -> None:
+    """Two micro-batches, each the same windows, each loss halved: the summed gradients are the
+    gradients of one batch (halving is exact), so float32 trains exactly as without them."""
+    corpus = load_corpus()
+    batches, held_out = training_windows(corpus, TINY), held_out_windows(corpus, TINY)
+    twice = dataclasses.replace(TINY, loss_divisor=2, micro_batches=2)
+    door = torch_door if front_door == "torch" else jax_door
+    row = rows_for(front_door)[0]
+    one = door.train_row(row, TINY, batches, held_out, progress=False)
+    two = door.train_row(row, twice, np.stack([batches, batches], axis=1), held_out, False)
+    assert two.train_losses == pytest.approx(one.train_losses, rel=1e-6)
+    assert two.held_out_loss == pytest.approx(one.held_out_loss, rel=1e-6)
+
+
+def test_micro_batches_extend_the_batches_of_the_same_seed() -> None:
+    corpus = load_corpus()
+    real = dataclasses.replace(TINY, loss_divisor=4, micro_batches=4)
+    windows = training_windows(corpus, real)
+    assert windows.shape == (3, 4, 4, 17)
+    assert np.array_equal(windows[:, 0], training_windows(corpus, TINY))
+    assert real.tokens_per_step == 4 * 16 * 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_divisor": 0}, "loss_divisor must be an integer of at least 1; got 0"),
+        ({"loss_divisor": 2.0}, "loss_divisor must be an integer of at least 1; got 2.0"),
+        ({"micro_batches": -1}, "micro_batches must be an integer of at least 1; got -1"),
+    ],
+)
+def test_settings_name_a_bad_accumulation(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Settings(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ks": (0, 4)}, "every k must be an integer of at least 1; got 0"),
+        ({"ks": (1, 2.5)}, "every k must be an integer of at least 1; got 2.5"),
+        ({"ks": ()}, "ks must name at least one accumulation factor"),
+        ({"ks": (16, 1)}, r"ks must be distinct and ascending; got \(16, 1\)"),
+        ({"rows": ("float16", "float32")}, "rows must start with 'float32'"),
+        ({"rows": ("float32", "float8")}, "rows must start with 'float32' and be among"),
+        ({"steps": 1}, "steps must be an integer of at least 2; got 1"),
+        ({"accumulate_k": 8}, r"accumulate_k must be one of ks \(1, 4\).* got 8"),
+    ],
+)
+def test_a_bad_sweep_plan_gets_a_clear_error(kwargs: dict, message: str) -> None:
+    arguments = {"ks": (1, 4), "rows": sweep.QUICK_ROWS, "steps": 3, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        sweep.SweepPlan(**arguments)

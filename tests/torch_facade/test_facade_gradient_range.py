@@ -127,3 +127,30 @@ def test_bad_arguments_are_named(args: tuple, kwargs: dict, error: type, match: 
         args = (model,)
     with pytest.raises(error, match=match):
         cstorch.amp.gradient_range_report(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("half_dtype", "headroom", "expected"),
+    # The largest gradient is 3.0 (hand-made below): 3 * 2**14 = 49152 <= 65504 (float16),
+    # 3 * 2**30 < (2 - 2**-9) * 2**31 (cbfloat16); 3 * 2**126 < bfloat16's largest.
+    [("float16", 0, 2.0**14), ("float16", 2, 2.0**12), ("cbfloat16", 1, 2.0**29)],
+)
+def test_the_report_suggests_a_loss_scale(half_dtype: str, headroom: int, expected: float) -> None:
+    model = torch.nn.Linear(3, 1)
+    model.weight.grad = torch.tensor([[1e-9, -3.0, 2e-3]])
+    model.bias.grad = torch.tensor([0.25])
+    report = cstorch.amp.gradient_range_report(
+        model, half_dtype=half_dtype, loss_scale=2.0**5, headroom=headroom
+    )
+    assert report.suggested_loss_scale == expected and report.headroom == headroom
+    assert f"suggested loss scale 2^{int(math.log2(expected))}" in str(report)
+    again = cstorch.amp.gradient_range_report(model, half_dtype=half_dtype, loss_scale=expected)
+    assert again.total.headroom == headroom
+
+
+@pytest.mark.parametrize("headroom", [-1, 0.5, True])
+def test_a_bad_headroom_is_named(headroom: object) -> None:
+    model = torch.nn.Linear(1, 1)
+    model(torch.ones(1, 1)).sum().backward()
+    with pytest.raises(ValueError, match="headroom must be a non-negative integer"):
+        cstorch.amp.gradient_range_report(model, headroom=headroom)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
@@ -250,6 +251,10 @@ class GradientRangeReport:
         total: the counts summed over every parameter, and the smallest headroom.
         half_dtype: the format checked against.
         loss_scale: the scale the gradients were multiplied by.
+        suggested_loss_scale: the largest power of two that leaves ``headroom`` doublings
+            below the format's largest value for the largest gradient element
+            (``amp_core.suggested_loss_scale``; ``inf`` when every gradient is zero).
+        headroom: the doublings the suggestion leaves.
 
     Example:
         >>> import torch, torch_facade as cstorch
@@ -259,16 +264,21 @@ class GradientRangeReport:
         >>> report = cstorch.amp.gradient_range_report(model, half_dtype="float16")
         >>> report.total.underflows, report.total.subnormals, report.total.headroom
         (1, 1, 14.0)
+        >>> report.suggested_loss_scale  # 3.0 * 2**12 = 12288: 2 doublings below 65504
+        4096.0
         >>> print(report)
         float16 at loss scale 1: 1 of 3 elements underflow (33.3%), 1 subnormal, 0 overflow
           weight: 1 of 2 underflow, 0 subnormal, 0 overflow, headroom 14
           bias: 0 of 1 underflow, 1 subnormal, 0 overflow, headroom 31
+        suggested loss scale 2^12 (2 doublings of headroom)
     """
 
     parameters: dict[str, amp_core.GradientRange]
     total: amp_core.GradientRange
     half_dtype: str
     loss_scale: float
+    suggested_loss_scale: float
+    headroom: int
 
     @property
     def underflow_fraction(self) -> float:
@@ -288,6 +298,10 @@ class GradientRangeReport:
             f"{leaf.overflows} overflow, headroom {leaf.headroom:g}"
             for name, leaf in self.parameters.items()
         ]
+        lines.append(
+            f"suggested loss scale {_power_of_two(self.suggested_loss_scale)} "
+            f"({self.headroom} doublings of headroom)"
+        )
         return "\n".join(lines)
 
 
@@ -297,6 +311,7 @@ def gradient_range_report(
     *,
     half_dtype: Any = None,
     loss_scale: Any = 1.0,
+    headroom: int = 2,
 ) -> GradientRangeReport:
     """How the gradients of ``parameters`` fit ``half_dtype`` at ``loss_scale``: per parameter,
     the elements that would underflow, lose precision or overflow, and the doublings of headroom.
@@ -306,7 +321,9 @@ def gradient_range_report(
     gradients of a float32 backward pass. They are multiplied by ``loss_scale`` in float32 and
     rounded to the format by ``amp_core.gradient_range_report`` (the numbers all come from
     there). It reads every gradient element and synchronises with the host: call it now and then,
-    not on every step.
+    not on every step. The report also suggests a loss scale, ``report.suggested_loss_scale``:
+    the largest power of two that leaves ``headroom`` doublings between the largest gradient
+    element and the format's largest value (``amp_core.suggested_loss_scale``).
 
     Args:
         parameters: a ``torch.nn.Module`` (its parameters, by name) or an iterable of tensors
@@ -315,6 +332,8 @@ def gradient_range_report(
             ``torch.bfloat16``; ``None`` uses the current ``cstorch.amp.get_half_dtype_str()``.
         loss_scale: a positive number or 0-d tensor, or a :class:`GradScaler` (its current
             scale).
+        headroom: the doublings the suggested loss scale leaves before the largest element
+            overflows (a non-negative integer).
 
     Returns:
         The :class:`GradientRangeReport`.
@@ -322,7 +341,7 @@ def gradient_range_report(
     Raises:
         TypeError: ``parameters`` is neither a module nor an iterable of tensors.
         ValueError: ``half_dtype`` is not a half dtype, ``loss_scale`` is not positive and
-            finite, or no parameter has a gradient.
+            finite, ``headroom`` is not a non-negative integer, or no parameter has a gradient.
 
     Example:
         >>> import torch, torch_facade as cstorch
@@ -332,6 +351,8 @@ def gradient_range_report(
         4
         >>> cstorch.amp.gradient_range_report(model, loss_scale=2.0**15).total.underflows
         0
+        >>> cstorch.amp.gradient_range_report(model, half_dtype="float16").suggested_loss_scale
+        134217728.0
     """
     named = _named_gradients(parameters)
     dtype = canonical_half_dtype(
@@ -339,26 +360,42 @@ def gradient_range_report(
         argument="half_dtype",
     )
     scale = _loss_scale_value(loss_scale)
+    if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
+        raise ValueError(f"headroom must be a non-negative integer (doublings); got {headroom!r}")
     arrays = list(_bridge.import_tensors(list(named.values())))
-    leaves = _range_core(dtype)(arrays, scale)
-    leaves, total = jax.device_get((leaves, amp_core.gradient_range_totals(leaves)))
+    leaves, suggested = _range_core(dtype, headroom)(arrays, scale)
+    leaves, total, suggested = jax.device_get(
+        (leaves, amp_core.gradient_range_totals(leaves), suggested)
+    )
     return GradientRangeReport(
         parameters={name: _as_python(leaf) for name, leaf in zip(named, leaves, strict=True)},
         total=_as_python(total),
         half_dtype=dtype,
         loss_scale=scale,
+        suggested_loss_scale=float(suggested),
+        headroom=headroom,
     )
 
 
 @functools.cache
-def _range_core(half_dtype: str) -> Callable[[list[jax.Array], float], Any]:
+def _range_core(half_dtype: str, headroom: int) -> Callable[[list[jax.Array], float], Any]:
     return jax.jit(
-        functools.partial(_gradient_ranges, half_dtype=half_dtype),
+        functools.partial(_gradient_ranges, half_dtype=half_dtype, headroom=headroom),
     )
 
 
-def _gradient_ranges(grads: list[jax.Array], scale: jax.Array, *, half_dtype: str) -> Any:
-    return amp_core.gradient_range_report(grads, half_dtype=half_dtype, loss_scale=scale)
+def _gradient_ranges(
+    grads: list[jax.Array], scale: jax.Array, *, half_dtype: str, headroom: int
+) -> tuple[Any, jax.Array]:
+    report = amp_core.gradient_range_report(grads, half_dtype=half_dtype, loss_scale=scale)
+    return report, amp_core.suggested_loss_scale(grads, half_dtype=half_dtype, headroom=headroom)
+
+
+def _power_of_two(value: float) -> str:
+    """``2^k`` for a power of two, else ``%g``."""
+    if 0 < value < math.inf and math.log2(value) == int(math.log2(value)):
+        return f"2^{int(math.log2(value))}"
+    return f"{value:g}"
 
 
 def _named_gradients(parameters: Any) -> dict[str, torch.Tensor]:
