@@ -6,9 +6,9 @@ check names the crossing in use and the facade's graph-break reason. When the fa
 moves, this is the one import to follow.
 """
 
-from torch_facade.amp import _bridge as bridge
-from torch_facade.amp import _crossing_cuda as crossing_cuda
-from torch_facade.amp import _gradients as gradients
 from torch_facade.amp import _host_side as host_side
+from torch_facade.amp._engine import _bridge as bridge
+from torch_facade.amp._engine import _crossing_cuda as crossing_cuda
+from torch_facade.amp._engine import _gradients as gradients
 
 __all__ = ["bridge", "crossing_cuda", "gradients", "host_side"]

@@ -28,8 +28,8 @@ def _with_host_device_count(flags: str, count: int = 8) -> str:
 
 os.environ["XLA_FLAGS"] = _with_host_device_count(os.environ.get("XLA_FLAGS", ""))
 
-# The facade's disk cache of compiled cores (torch_facade/amp/_core_cache.py) stays off in the
-# suite, whatever the developer's environment says: nothing is written into the home directory
+# The facade's disk cache of compiled cores (torch_facade/amp/_engine/_core_cache.py) stays off in
+# the suite, whatever the developer's environment says: nothing is written into the home directory
 # or the checkout, and tests that count compiles see them. tests/torch_facade/test_startup.py
 # turns it on, in temporary directories.
 os.environ["CSTORCH_AMP_CACHE_DIR"] = "off"

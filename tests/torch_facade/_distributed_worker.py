@@ -163,14 +163,14 @@ def mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor (a DTensor is gathered: a collective every rank must call)."""
-    from torch_facade.amp._dtensor import is_dtensor
+    from torch_facade.amp._engine._dtensor import is_dtensor
 
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's values (a DTensor's local shard)."""
-    from torch_facade.amp._dtensor import is_dtensor
+    from torch_facade.amp._engine._dtensor import is_dtensor
 
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
@@ -209,7 +209,7 @@ class Spies:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Wraps ``_bridge.import_tensors`` and ``Collective.gather`` while active."""
-        from torch_facade.amp import _bridge, _distributed, _storage
+        from torch_facade.amp._engine import _bridge, _distributed, _storage
 
         import_tensors, gather = _bridge.import_tensors, _distributed.Collective.gather
         # These spies pin where torch keeps each gradient; the small ones' packed copy
@@ -514,7 +514,7 @@ def measure_collective(repeats: int = 100) -> dict[str, float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from torch_facade.amp import _distributed
+    from torch_facade.amp._engine import _distributed
 
     partials, gathered = torch.zeros(3), torch.empty(3 * dist.get_world_size())
     timings: dict[str, list[float]] = {"all_gather": [], "decision": [], "decision_local": []}

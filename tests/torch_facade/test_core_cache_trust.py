@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import pytest
 from facade_helpers import REPO
 
-from torch_facade.amp import _core_cache
+from torch_facade.amp._engine import _core_cache
 
 _ROOT = os.geteuid() == 0
 _NOBODY = 65534
@@ -41,7 +41,7 @@ _CHILD = """
 import json, os, sys, warnings
 import jax, jax.numpy as jnp
 from jax.experimental import serialize_executable  # imported before root is given up
-from torch_facade.amp import _core_cache
+from torch_facade.amp._engine import _core_cache
 ones_3, ones_2 = jnp.ones(3), (jnp.ones(2), jnp.ones(2))  # made (compiled) before counting
 uid, gid = {uid}, {gid}
 if os.geteuid() != uid:

@@ -28,7 +28,7 @@ from facade_helpers import (
 from test_facade_compile_and_zero_copy import record_imports
 
 import torch_facade as cstorch
-from torch_facade.amp import _bridge, _gradients, _storage
+from torch_facade.amp._engine import _bridge, _gradients, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -605,7 +605,7 @@ def test_a_parameter_swapped_out_is_no_longer_covered_by_the_decision():
 
 def _counting_local_tensors(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts how often the multiply collects an optimizer's gradients again."""
-    from torch_facade.amp import _gradients
+    from torch_facade.amp._engine import _gradients
 
     calls: list[int] = []
     collect = _gradients.local_tensors

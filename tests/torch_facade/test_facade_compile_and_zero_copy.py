@@ -17,7 +17,7 @@ from facade_helpers import (
 )
 
 import torch_facade as cstorch
-from torch_facade.amp import _bridge, _crossing_cpu, _storage
+from torch_facade.amp._engine import _bridge, _crossing_cpu, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 

@@ -264,7 +264,7 @@ def test_the_in_place_multiply_rounds_once_from_float32_in_every_dtype():
     dtypes): ``g * m`` computed in float32 (float64 for float64, complex for complex) and rounded
     once to the gradient's dtype, specials kept; a list mixing a dtype the kernel refuses is
     multiplied once, not partly twice. Oracle: the element-wise product in the wider dtype."""
-    from torch_facade.amp import _gradients
+    from torch_facade.amp._engine import _gradients
 
     generator = torch.Generator().manual_seed(3)
     multiplier = torch.tensor(1 / 3.0)  # not a power of two: rounding shows

@@ -349,7 +349,7 @@ def test_gradients_that_require_grad_are_multiplied_outside_autograd(create_grap
     """The gradients a decision just read are multiplied in place under ``no_grad`` exactly when
     one of them requires grad (``create_graph=True``): the multiply is then not recorded in
     their graph, and otherwise the ``no_grad`` context is not paid for."""
-    from torch_facade.amp import _gradients
+    from torch_facade.amp._engine import _gradients
 
     reads = []
     original = _gradients.multiply_read_
@@ -373,7 +373,7 @@ def test_the_multiply_of_a_read_under_no_grad_records_nothing():
     """``torch._foreach_mul_`` (the multiply for dtypes the CPU loss-scaling kernel does not take,
     and on other devices) would record itself in a gradient's graph; under ``no_grad`` it does
     not, and the values are multiplied."""
-    from torch_facade.amp import _gradients
+    from torch_facade.amp._engine import _gradients
 
     x = torch.ones(3, dtype=torch.complex64, requires_grad=True)
     (grad,) = torch.autograd.grad((x * x).sum().real, x, create_graph=True)

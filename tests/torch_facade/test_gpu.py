@@ -16,7 +16,7 @@ import torch
 from facade_helpers import run_python
 
 import torch_facade as cstorch
-from torch_facade.amp import _bridge, _storage
+from torch_facade.amp._engine import _bridge, _storage
 
 pytestmark = [
     pytest.mark.gpu,

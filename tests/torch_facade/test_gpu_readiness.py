@@ -31,7 +31,7 @@ from facade_helpers import DLS, INF, NAN, TinyNet, loss_of, run_python
 import amp_core
 import torch_facade as cstorch
 from hardware import devices as devices_module
-from torch_facade.amp import (
+from torch_facade.amp._engine import (
     _bridge,
     _crossing,
     _crossing_cuda,
@@ -111,7 +111,7 @@ def test_nothing_starts_jax_before_the_first_decision():
 def test_the_facade_starts_jax_with_preallocation_off_and_restores_the_environment():
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
-        "from torch_facade.amp import _jax_guest\n"
+        "from torch_facade.amp._engine import _jax_guest\n"
         "_jax_guest.start(torch.device('cpu'))\n"
         "print(json.dumps({'starts': seen,\n"
         "                  'after': os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'),\n"
@@ -136,7 +136,7 @@ def test_the_facade_starts_jax_with_preallocation_off_and_restores_the_environme
 def test_the_users_memory_setting_wins(setting):
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
-        "from torch_facade.amp import _jax_guest\n"
+        "from torch_facade.amp._engine import _jax_guest\n"
         "_jax_guest.start(torch.device('cpu'))\n"
         "print(json.dumps({'starts': seen, 'chose': _jax_guest.user_chose_memory()}))\n"
     )
@@ -150,7 +150,7 @@ def test_client_options_count_as_the_users_choice():
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
         "jax.config.update('jax_pjrt_client_create_options', 'preallocate:true')\n"
-        "from torch_facade.amp import _jax_guest\n"
+        "from torch_facade.amp._engine import _jax_guest\n"
         "_jax_guest.start(torch.device('cpu'))\n"
         "print(json.dumps({'starts': seen}))\n"
     )
@@ -162,7 +162,7 @@ def test_a_gpu_decision_lets_jax_open_only_that_gpu_and_restores_the_setting():
     """The setting is seen at the start (on a CPU-only jaxlib no GPU backend starts with it)."""
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
-        "from torch_facade.amp import _jax_guest\n"
+        "from torch_facade.amp._engine import _jax_guest\n"
         f"_jax_guest.start(torch.device('cuda', {GPU_INDEX}))\n"
         "print(json.dumps({'starts': seen, 'after': jax.config.read('jax_cuda_visible_devices'),\n"
         "                  'opened': _jax_guest._opened_only}))\n"
@@ -179,7 +179,7 @@ def test_a_cpu_first_start_in_a_process_whose_torch_uses_a_gpu_opens_only_that_g
         "torch.cuda.is_available = lambda: True  # as if torch had set up GPU 2\n"
         "torch.cuda.is_initialized = lambda: True\n"
         "torch.cuda.current_device = lambda: 2\n"
-        "from torch_facade.amp import _jax_guest\n"
+        "from torch_facade.amp._engine import _jax_guest\n"
         "_jax_guest.start(torch.device('cpu'))  # e.g. a first decision with no gradients\n"
         "print(json.dumps({'starts': seen, 'opened': _jax_guest._opened_only}))\n"
     )
@@ -192,7 +192,7 @@ def test_a_users_gpu_restriction_is_kept():
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
         "jax.config.update('jax_cuda_visible_devices', '0,1')\n"
-        "from torch_facade.amp import _jax_guest\n"
+        "from torch_facade.amp._engine import _jax_guest\n"
         "_jax_guest.start(torch.device('cuda', 1))\n"
         "print(json.dumps({'starts': seen, 'opened': _jax_guest._opened_only}))\n"
     )
@@ -205,7 +205,7 @@ def test_jax_started_by_someone_else_with_default_preallocation_warns_once_on_a_
     code = (
         "import json, warnings, jax, torch\n"
         "jax.devices()  # the user's own JAX code started the backends first\n"
-        "from torch_facade.amp import _jax_guest\n"
+        "from torch_facade.amp._engine import _jax_guest\n"
         "_jax_guest._gpu_backend_works = lambda: True  # as with a CUDA jaxlib\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
@@ -257,7 +257,7 @@ class FakeDeviceTensor:
 
 
 def test_copies_to_the_cpu_wait_and_copies_from_it_need_not():
-    from torch_facade.amp import _gradients
+    from torch_facade.amp._engine import _gradients
 
     on_gpu, on_cpu = FakeDeviceTensor("cuda:0", 2.0), FakeDeviceTensor("cpu", 2.0)
     _gradients.on_device(on_gpu, torch.device("cpu"))
@@ -549,7 +549,7 @@ def test_a_cpu_torch_build_gets_both_extras_named(monkeypatch):
 def test_ranks_that_disagree_are_caught_at_the_first_host_read_on_an_accelerator():
     """On an accelerator the distributed decision is not read at once (no host sync); the
     first host read (a non-fused step, the stall check) still checks that the ranks agreed."""
-    from torch_facade.amp import _decision
+    from torch_facade.amp._engine import _decision
 
     values = torch.ones(_bridge.CARRY_SIZE)
     values[_bridge.scalar_index("consistent")] = 0.0

@@ -16,7 +16,7 @@ import pytest
 from facade_helpers import COMPILE_EVENT, TRACE_EVENT, jax_compile_events, run_python
 
 import amp_core
-from torch_facade.amp import _bridge, _core_cache
+from torch_facade.amp._engine import _bridge, _core_cache
 
 _DYNAMO_MODULES = (
     "sorted(m for m in sys.modules if m == 'torch._dynamo' or m.startswith('torch._dynamo.'))"

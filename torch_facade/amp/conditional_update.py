@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import torch
 
 import amp_core
-from torch_facade.amp import _gradients
+from torch_facade.amp._engine import _gradients
 from torch_facade.amp._host_side import host_side
 
 

@@ -15,8 +15,9 @@ import torch
 
 import amp_core
 from hardware import canonical_half_dtype
-from torch_facade.amp import _amp_state, _bridge, _caller, _dtensor, _storage
-from torch_facade.amp._decision import Decision
+from torch_facade.amp import _amp_state, _caller
+from torch_facade.amp._engine import _bridge, _dtensor, _storage
+from torch_facade.amp._engine._decision import Decision
 from torch_facade.amp._host_side import host_side
 
 

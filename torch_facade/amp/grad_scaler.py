@@ -1,8 +1,8 @@
 """``cstorch.amp.GradScaler``: the per-optimizer stage machine over one decision per iteration.
 
 The decision itself (reading the gradients, the jitted core, the multipliers) is
-:mod:`~torch_facade.amp._decision`; fused optimizers' kernels are driven by
-:mod:`~torch_facade.amp._fused`; the overflow report and the stall check are
+:mod:`~torch_facade.amp._engine._decision`; fused optimizers' kernels are driven by
+:mod:`~torch_facade.amp._engine._fused`; the overflow report and the stall check are
 :mod:`~torch_facade.amp.diagnostics`. This module keeps the stages, the state and the accessors.
 """
 
@@ -20,19 +20,11 @@ from typing import Any
 import torch
 
 import amp_core
-from torch_facade.amp import (
-    _bridge,
-    _caller,
-    _cbfloat16_notice,
-    _discovery,
-    _distributed,
-    _gradients,
-    _torch_checkpoint,
-    conditional_update,
-)
+from torch_facade.amp import _caller, _cbfloat16_notice, _torch_checkpoint, conditional_update
 from torch_facade.amp._amp_state import get_half_dtype_str
-from torch_facade.amp._decision import Decider, Decision, params_of
-from torch_facade.amp._fused import FusedSteps
+from torch_facade.amp._engine import _bridge, _discovery, _distributed, _gradients
+from torch_facade.amp._engine._decision import Decider, Decision, params_of
+from torch_facade.amp._engine._fused import FusedSteps
 from torch_facade.amp._host_side import host_side
 from torch_facade.amp.diagnostics import LossScaleStalledError, StallWatch, overflow_report
 

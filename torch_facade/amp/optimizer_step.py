@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import amp_core
-from torch_facade.amp._decision import params_of
+from torch_facade.amp._engine._decision import params_of
 from torch_facade.amp._host_side import host_side
 from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list
 

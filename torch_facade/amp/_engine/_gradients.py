@@ -4,10 +4,10 @@ The decision reads every gradient once, zero-copy, wherever torch keeps it. Grad
 several sources, each handled by one small module behind the same two questions:
 
 * what holds this rank's values of a gradient, and are they a shard (summed across ranks) or a
-  replica (the same on every rank)? :mod:`torch_facade.amp._dtensor` answers for FSDP2's DTensor
+  replica (the same on every rank)? :mod:`torch_facade.amp._engine._dtensor` answers for FSDP2's DTensor
   gradients; any other gradient is its own local tensor, replicated in a distributed job
   (DDP's all-reduced gradients, or a job that averages them itself).
-* which tensors does JAX import to read those values? :mod:`torch_facade.amp._storage` answers:
+* which tensors does JAX import to read those values? :mod:`torch_facade.amp._engine._storage` answers:
   gradients that are views tiling one flat buffer (DDP's bucket views with
   ``gradient_as_bucket_view=True``, FSDP2's reduce-scatter output) are read through that buffer,
   one import for the lot; every other gradient (the fresh tensors each backward makes after
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from torch_facade.amp import _dtensor, _storage
+from torch_facade.amp._engine import _dtensor, _storage
 
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")

@@ -9,16 +9,16 @@ A :class:`Crossing` answers the two questions every decision asks:
 
 Variants, each in a module of its own:
 
-* :mod:`~torch_facade.amp._crossing_cpu`: jaxlib's lower-level DLPack calls (about 7 us a
+* :mod:`~torch_facade.amp._engine._crossing_cpu`: jaxlib's lower-level DLPack calls (about 7 us a
   tensor instead of 90);
-* :mod:`~torch_facade.amp._crossing_cuda`: one event and wait per decision on JAX's
+* :mod:`~torch_facade.amp._engine._crossing_cuda`: one event and wait per decision on JAX's
   external-ready stream, then the lower-level import per tensor (no event per tensor, no host
   wait), with a device guard and a copy for views XLA:GPU would reject as unaligned;
-* :mod:`~torch_facade.amp._crossing_public`: the public DLPack API, on any device.
+* :mod:`~torch_facade.amp._engine._crossing_public`: the public DLPack API, on any device.
 
 A private variant is used only after its self-check passed on this jaxlib and this device (the
 same memory, the same values, and on CUDA the ordering after torch's pending work); otherwise
-the public one: :func:`torch_facade.amp._bridge.crossing_for` chooses, once per device. ROCm
+the public one: :func:`torch_facade.amp._engine._bridge.crossing_for` chooses, once per device. ROCm
 builds of torch call their GPUs ``"cuda"`` and take the CUDA variant when its self-check passes
 there.
 """

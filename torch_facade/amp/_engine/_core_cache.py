@@ -80,7 +80,7 @@ def cache_dir() -> Path | None:
 
     Example:
         >>> from unittest import mock
-        >>> from torch_facade.amp import _core_cache
+        >>> from torch_facade.amp._engine import _core_cache
         >>> with mock.patch.dict("os.environ", {"CSTORCH_AMP_CACHE_DIR": "off"}):
         ...     print(_core_cache.cache_dir())
         None

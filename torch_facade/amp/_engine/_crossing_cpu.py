@@ -20,8 +20,8 @@ import jax
 import numpy as np
 import torch
 
-from torch_facade.amp import _crossing_public
-from torch_facade.amp._crossing import Crossing, views_its_input
+from torch_facade.amp._engine import _crossing_public
+from torch_facade.amp._engine._crossing import Crossing, views_its_input
 
 
 def crossing() -> Crossing | None:

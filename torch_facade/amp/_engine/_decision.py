@@ -1,9 +1,9 @@
 """One iteration's overflow decision: read every gradient once, decide, hand out multipliers.
 
 :class:`Decider` takes the decision (once per iteration, at the first ``unscale_`` or ``step``):
-it reads the participating gradients where torch keeps them (:mod:`~torch_facade.amp._gradients`),
+it reads the participating gradients where torch keeps them (:mod:`~torch_facade.amp._engine._gradients`),
 puts the scaler state on their device, crosses into JAX through that device's crossing
-(:mod:`~torch_facade.amp._crossing`), calls the jitted core (in a distributed job, the local half,
+(:mod:`~torch_facade.amp._engine._crossing`), calls the jitted core (in a distributed job, the local half,
 one all-gather, and the finish) and views the numbers torch needs. :class:`Decision` then answers
 what each optimizer's gradients are multiplied by, and whether the step may be applied.
 
@@ -27,7 +27,7 @@ import jax
 import torch
 
 import amp_core
-from torch_facade.amp import _bridge, _crossing, _distributed, _gradients
+from torch_facade.amp._engine import _bridge, _crossing, _distributed, _gradients
 
 _CPU = torch.device("cpu")
 
@@ -37,7 +37,7 @@ class Decision:
     """One iteration's overflow decision, taken once over every known optimizer's gradients.
 
     ``outputs`` is the jitted core's result, the next state packed with the step's scalars (a
-    :class:`~torch_facade.amp._bridge.Carry`'s array), and ``packed`` torch's float32 view of it
+    :class:`~torch_facade.amp._engine._bridge.Carry`'s array), and ``packed`` torch's float32 view of it
     (both ``None`` for static scaling, which never checks); :meth:`scalar` views one number.
 
     Each optimizer's gradients go from scaled to unscaled (and clipped) in one multiply by

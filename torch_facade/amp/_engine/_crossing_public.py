@@ -18,12 +18,12 @@ from collections.abc import Sequence
 import jax
 import torch
 
-from torch_facade.amp import _storage
-from torch_facade.amp._crossing import Crossing
+from torch_facade.amp._engine import _storage
+from torch_facade.amp._engine._crossing import Crossing
 
 
 def crossing(*, host_is_device: bool) -> Crossing:
-    """The public crossing (``host_is_device``: see :class:`~torch_facade.amp._crossing.Crossing`)."""
+    """The public crossing (``host_is_device``: see :class:`~torch_facade.amp._engine._crossing.Crossing`)."""
     return Crossing("public", import_many, export, host_is_device)
 
 

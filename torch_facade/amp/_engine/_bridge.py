@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import amp_core
-from torch_facade.amp import (
+from torch_facade.amp._engine import (
     _core_cache,
     _crossing,
     _crossing_cpu,
@@ -28,7 +28,7 @@ from torch_facade.amp import (
 
 
 def crossing_for(device: torch.device) -> _crossing.Crossing:
-    """The crossing for tensors on ``device`` (:mod:`~torch_facade.amp._crossing`), chosen once
+    """The crossing for tensors on ``device`` (:mod:`~torch_facade.amp._engine._crossing`), chosen once
     per device after the private variants' self-checks; JAX is started as a guest first."""
     return _chosen_crossing(device)
 
@@ -53,7 +53,7 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
 def import_tensors(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:
     """Imports tensors of one device for a read by a jitted core, zero-copy where DLPack allows.
 
-    Through the crossing of their device (:mod:`~torch_facade.amp._crossing`): ordered after
+    Through the crossing of their device (:mod:`~torch_facade.amp._engine._crossing`): ordered after
     torch's pending work on them, with no host wait.
     """
     if not tensors:
@@ -93,7 +93,7 @@ def place_state(state: amp_core.LossScaleState, torch_device: torch.device) -> A
     """Moves the scaler state to the JAX device matching ``torch_device`` (no-op if there).
 
     A state not placed yet (NumPy arrays, :func:`amp_core.init_on_host`) is put there; JAX is
-    started as a guest first if nothing has started it (:mod:`~torch_facade.amp._jax_guest`).
+    started as a guest first if nothing has started it (:mod:`~torch_facade.amp._engine._jax_guest`).
     """
     device = _jax_guest.jax_device_for(torch_device)
     if not isinstance(state.loss_scale, np.ndarray) and state.loss_scale.devices() == {device}:

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_facade.amp import _crossing_public, _storage
-from torch_facade.amp._crossing import Crossing, address
+from torch_facade.amp._engine import _crossing_public, _storage
+from torch_facade.amp._engine._crossing import Crossing, address
 
 # About 20 ms of device time at 1-2 GHz: long enough that an unordered read would see the zeros.
 _PROBE_SLEEP_CYCLES = 30_000_000

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torch_facade.amp._decision import Decision
+from torch_facade.amp._engine._decision import Decision
 
 
 class FusedSteps:
