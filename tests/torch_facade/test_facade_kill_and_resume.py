@@ -1,6 +1,6 @@
 """A facade run killed with SIGKILL and resumed in a fresh process ends bit-identical.
 
-Each run is a child process (``_resume_worker.py``): one runs uninterrupted; another is killed
+Each run is a child process (``_facade_resume_worker.py``): one runs uninterrupted; another is killed
 with ``SIGKILL`` at a step drawn by a seeded RNG, then a fresh process resumes from its last
 checkpoint (model, optimizer and scaler state dicts). The oracle is the uninterrupted run: the
 final parameters, AdamW state and scaler state must be equal bit for bit (``torch.equal``), with
@@ -10,73 +10,31 @@ before and after the kill.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import _resume_worker as worker
+import _facade_resume_worker as worker
 import pytest
 import torch
-from facade_helpers import REPO, deep_equal
+from facade_helpers import deep_equal
 
-WORKER = Path(__file__).with_name("_resume_worker.py")
+from tests.resume_helpers import finish, kill_at, progress, start
+
+WORKER = Path(__file__).with_name("_facade_resume_worker.py")
 # Kill steps drawn once by a seeded RNG, one per test, with overflows before and after each.
 KILL_STEPS = random.Random(40).sample(range(min(worker.POISONED) + 1, max(worker.POISONED)), 2)
-
-
-def start(directory: Path, stop_at: int) -> subprocess.Popen:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
-    environment.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{WORKER.parent}")
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), str(directory), str(stop_at)],
-        cwd=REPO,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
-def finish(process: subprocess.Popen) -> None:
-    _, stderr = process.communicate(timeout=180)
-    assert process.returncode == 0, stderr.decode()[-3000:]
-
-
-def progress(directory: Path) -> list[tuple[int, float]]:
-    path = directory / "progress.txt"
-    if not path.exists():
-        return []
-    complete = path.read_text().split("\n")[:-1]  # a line still being written is left out
-    return [(int(step), float(scale)) for step, scale in (line.split() for line in complete)]
-
-
-def kill_at(directory: Path, step: int) -> None:
-    """Starts a run, waits until it has finished ``step``, and kills it with SIGKILL."""
-    process = start(directory, step)
-    deadline = time.monotonic() + 180
-    while step not in [s for s, _ in progress(directory)]:
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "the run never reached its kill step"
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
-    process.stderr.close()
-    assert process.returncode == -signal.SIGKILL
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[dict, list[tuple[int, float]]]:
     directory = tmp_path_factory.mktemp("uninterrupted")
-    finish(start(directory, -1))
+    finish(start(WORKER, directory, -1))
     return torch.load(directory / "final.pt", weights_only=False), progress(directory)
 
 
 def test_the_scenario_has_overflows_that_skip_halve_and_are_tolerated(uninterrupted):
     final, history = uninterrupted
-    scales = dict(history)
+    scales = {step: values[0] for step, values in history}
     assert [s for s, _ in history] == list(range(worker.STEPS))
     previous = [worker.SCALER["init_scale"]] + [scales[s] for s in range(worker.STEPS - 1)]
     halved = [s for s in range(worker.STEPS) if scales[s] < previous[s]]
@@ -91,11 +49,11 @@ def test_the_scenario_has_overflows_that_skip_halve_and_are_tolerated(uninterrup
 @pytest.mark.parametrize("kill_step", KILL_STEPS)
 def test_a_killed_run_resumes_bit_identical(uninterrupted, tmp_path, kill_step):
     expected, expected_history = uninterrupted
-    kill_at(tmp_path, kill_step)
+    kill_at(WORKER, tmp_path, kill_step)
     assert not (tmp_path / "final.pt").exists()
     resumed_from = torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"]
     assert resumed_from == (kill_step + 1) // worker.EVERY * worker.EVERY
-    finish(start(tmp_path, -1))
+    finish(start(WORKER, tmp_path, -1))
     actual = torch.load(tmp_path / "final.pt", weights_only=False)
     assert deep_equal(expected["model"], actual["model"])
     assert deep_equal(expected["optimizer"], actual["optimizer"])

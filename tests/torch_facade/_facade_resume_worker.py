@@ -8,7 +8,7 @@ optimizer's and the scaler's state dicts with ``torch.save`` (written to a tempo
 renamed, as a user's checkpoint would be). After each step it appends the step's number and loss
 scale to ``progress.txt``; on ``STOP_AT`` it then waits to be killed.
 
-Usage as a script: ``python _resume_worker.py DIR STOP_AT`` (``STOP_AT`` -1: run to the end).
+Usage as a script: ``python _facade_resume_worker.py DIR STOP_AT`` (``STOP_AT`` -1: run to the end).
 It resumes from ``DIR/ckpt.pt`` when that exists and writes ``DIR/final.pt`` at the end.
 """
 
