@@ -9,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs lint typecheck format dist bench bench-large device-check clean
+.PHONY: demo demo-distributed test docs lint typecheck format dist bench bench-large device-check clean
 
 # The library with its torch extra and the dev tools; torch is pinned (constraints.txt) to the
 # CPU wheel cached on the project's machines.
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(PY) -m demo
+
+# The GPT of make demo on 2 local processes per front door (torch DDP over gloo, jax.distributed),
+# one rank meeting an overflow, against one process: demo_output/distributed.md and .json.
+demo-distributed: $(STAMP)
+	$(PY) -m demo --nproc 2
 
 # Offline: no fonts, inventories or plugins that fetch anything (mkdocs.yml).
 docs: $(STAMP)

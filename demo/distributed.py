@@ -601,7 +601,7 @@ def run_ranks(door: str, plan: Plan, world: int, work: Path) -> list[Record]:
     records = []
     for rank in range(world):
         with open(work / f"{door}{rank}.pkl", "rb") as f:
-            records.append(pickle.load(f))
+            records.append(Record(**pickle.load(f)))
     return records
 
 
@@ -709,10 +709,10 @@ def finish(
 # command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m demo.distributed``."""
+def build_parser(prog: str = "python -m demo.distributed") -> argparse.ArgumentParser:
+    """The argument parser of ``python -m demo.distributed`` (named ``prog`` in messages)."""
     parser = argparse.ArgumentParser(
-        prog="python -m demo.distributed",
+        prog=prog,
         description=(
             "Train the GPT of `make demo` in float16 with dynamic loss scaling on several local "
             "processes per front door (torch DDP or FSDP2 over gloo; jax.distributed), one "
@@ -726,9 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overflow-step",
         type=int,
-        default=OVERFLOW_STEP,
-        help=f"the step at which rank {OVERFLOW_RANK} meets an overflow ({OVERFLOW_STEP}; -1: "
-        "none)",
+        default=None,
+        help=f"the step at which rank {OVERFLOW_RANK} meets an overflow (default "
+        f"{OVERFLOW_STEP}, or half of --steps when fewer; -1: none)",
     )
     parser.add_argument(
         "--front-door", choices=(*DOORS, "both"), default="both", help="which front door (both)"
@@ -750,6 +750,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
         parser.error(f"argument --steps: must be a positive integer; got {args.steps}")
     if args.seed < 0:
         parser.error(f"argument --seed: must be a non-negative integer; got {args.seed}")
+    if args.overflow_step is None:
+        args.overflow_step = OVERFLOW_STEP if args.steps > OVERFLOW_STEP else args.steps // 2
     if not -1 <= args.overflow_step < args.steps:
         parser.error(
             f"argument --overflow-step: must be -1 or a step below --steps={args.steps}; got "
@@ -763,8 +765,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
     return Plan(args.steps, args.seed, args.overflow_step, args.fsdp2)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m demo.distributed") -> int:
     """Entry point of ``python -m demo.distributed`` (and ``python -m demo --nproc N``).
+
+    Args:
+        argv: the arguments (default: the command line's).
+        prog: the command's name in messages and in the reports' header.
 
     Returns:
         The process exit status: 0 when every front door passed its comparison, 1 otherwise.
@@ -774,16 +780,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> build_parser().parse_args(["--nproc", "2", "--front-door", "jax"]).front_door
         'jax'
     """
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     plan = _check(parser, args)
     if args.worker is not None:  # one rank, started by run_ranks
         rank_main = torch_rank if args.worker == "torch" else jax_rank
         record = rank_main(plan, args.rank, args.world, args.port)
         with open(args.result, "wb") as f:
-            pickle.dump(record, f)
+            pickle.dump(dataclasses.asdict(record), f)  # no class: __main__ differs
         return 0
-    command = "python -m demo.distributed " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = f"{prog} " + " ".join(argv if argv is not None else sys.argv[1:])
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: torch only
         return _under_torchrun(plan, command.strip(), args.out_dir)
     doors = list(DOORS) if args.front_door == "both" else [args.front_door]
