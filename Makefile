@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine with only Python 3.11 and pip:
 #   make demo   - the main job: GPT-2 on real text in every half format, with and without loss
 #                 scaling, against float32, through both front doors (python -m demo --help)
+#   make demo-distributed - the same GPT on 2 local processes per front door against one process
+#                 (python -m demo --nproc 2: torch DDP over gloo, jax.distributed)
 #   make test   - ruff (check + format), mypy and the whole test suite, notebooks included (the
 #                 suite builds the documentation site strictly, once: tests/test_docs_site.py)
 #   make docs   - the documentation site, into site/ (mkdocs build --strict: a warning fails it)

@@ -460,6 +460,7 @@ class DoorReport:
             "same_decisions_on_every_rank_and_one_process": self.ranks_decide_alike,
             "ranks_bit_identical": self.ranks_bit_identical,
             "difference_to_one_process": self.distance,
+            "relative_difference_to_one_process": self.distance / norm(self.one.params),
             "one_process_self_differences": self.self_differences,
             "tolerance": self.tolerance,
             "within_tolerance": self.within_tolerance,
@@ -471,6 +472,11 @@ class DoorReport:
 def same_bits(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     """Whether two parameter sets have the same names and the same bits."""
     return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def norm(params: dict[str, np.ndarray]) -> float:
+    """The Euclidean norm of all parameters as one vector (in float64)."""
+    return float(np.sqrt(sum(np.sum(p.astype(np.float64) ** 2) for p in params.values())))
 
 
 def difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -518,6 +524,7 @@ def summary_lines(report: DoorReport) -> list[str]:
         f"  same decisions on every rank and as one process: {yes[report.ranks_decide_alike]}",
         f"  ranks' parameters bit-identical: {yes[report.ranks_bit_identical]}",
         f"  parameters' distance to one process on the whole batch: {report.distance:.3g} "
+        f"({report.distance / norm(report.one.params):.2e} of their norm) "
         f"(norm of the difference; one process against itself: {own}; within "
         f"{TOLERANCE_FACTOR:g}x: {yes[report.within_tolerance]})",
         "  bit-identical to one process accumulating the ranks' shares: "

@@ -76,6 +76,7 @@ def test_parameters_within_the_one_process_tolerance(document: dict[str, Any], i
     # Not bit-identical (float16 roundings of partial sums), but not far either.
     assert 0.0 < door["difference_to_one_process"] <= door["tolerance"]
     assert door["within_tolerance"] is True
+    assert 0.0 < door["relative_difference_to_one_process"] < 1e-3
 
 
 @pytest.mark.parametrize(
