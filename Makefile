@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine with only Python 3.11 and pip:
 #   make demo   - the main job: GPT-2 on real text in every half format, with and without loss
 #                 scaling, against float32, through both front doors (python -m demo --help)
+#   make demo-distributed - the same GPT on 2 local processes per front door against one process
+#                 (python -m demo --nproc 2: torch DDP over gloo, jax.distributed)
 #   make test   - ruff (check + format), mypy and the whole test suite, notebooks included (the
 #                 suite builds the documentation site strictly, once: tests/test_docs_site.py)
 #   make docs   - the documentation site, into site/ (mkdocs build --strict: a warning fails it)
@@ -9,7 +11,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs lint typecheck format dist bench bench-large device-check clean
+.PHONY: demo demo-distributed test docs lint typecheck format dist bench bench-large device-check clean
 
 # The library with its torch extra and the dev tools; torch is pinned (constraints.txt) to the
 # CPU wheel cached on the project's machines.
@@ -21,6 +23,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(PY) -m demo
+
+# The GPT of make demo on 2 local processes per front door (torch DDP over gloo, jax.distributed),
+# one rank meeting an overflow, against one process: demo_output/distributed.md and .json.
+demo-distributed: $(STAMP)
+	$(PY) -m demo --nproc 2
 
 # Offline: no fonts, inventories or plugins that fetch anything (mkdocs.yml).
 docs: $(STAMP)

@@ -77,10 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"{sweep.FULL.accumulate_k} with real accumulation), not the main table",
     )
     parser.add_argument(
-        "--distributed",
-        action="store_true",
-        help="the data-parallel demo of the facade instead (a small MLP over 2 ranks, DDP and "
-        "FSDP2; see demo/mlp/distributed.py)",
+        "--nproc",
+        type=int,
+        default=None,
+        help="train the GPT on this many local processes per front door instead (torch DDP "
+        "over gloo, jax.distributed), one rank meeting an overflow, against one process on the "
+        "whole batch; writes distributed.md and distributed.json (demo/distributed.py)",
+    )
+    parser.add_argument(
+        "--fsdp2", action="store_true", help="with --nproc: torch's FSDP2 instead of DDP"
     )
     return parser
 
@@ -136,12 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"argument --seed: must be a non-negative integer; got {args.seed}")
     if args.out_dir.exists() and not args.out_dir.is_dir():
         parser.error(f"argument --out-dir: {args.out_dir} exists and is not a folder")
-    if args.distributed:
-        from demo.mlp.distributed import run as run_distributed
-        from demo.mlp.problem import RunOptions
-
-        options = RunOptions(progress=not args.no_progress, diagnostics=False)
-        return run_distributed(args.steps or 300, args.seed, args.out_dir, options)
+    if args.nproc is not None:
+        return run_distributed(parser, args)
+    if args.fsdp2:
+        parser.error("argument --fsdp2: only with --nproc")
     steps = args.steps or (FULL_STEPS if args.full else QUICK_STEPS)
     settings = Settings(steps=steps, seed=args.seed)
     seeds = [args.seed, args.seed + 1, args.seed + 2] if args.full else [args.seed]
@@ -161,6 +164,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         table=not args.sweep_only,
     )
     return 0
+
+
+def run_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``python -m demo --nproc N``: hands the arguments to :func:`demo.distributed.main`."""
+    from demo import distributed
+
+    for flag in ("full", "sweep_only"):
+        if getattr(args, flag):
+            parser.error(f"argument --{flag.replace('_', '-')}: not with --nproc")
+    argv = ["--nproc", str(args.nproc), "--seed", str(args.seed), "--out-dir", str(args.out_dir)]
+    argv += ["--front-door", args.front_door, *(["--fsdp2"] if args.fsdp2 else [])]
+    argv += [] if args.steps is None else ["--steps", str(args.steps)]
+    return distributed.main(argv, prog="python -m demo")
 
 
 def run(
