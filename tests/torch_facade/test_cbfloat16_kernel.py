@@ -22,11 +22,21 @@ from torch_facade.amp._cbfloat16_kernel import (
     _round_on_integers,
     _round_with_carrier,
     round_float32,
+    round_float32_branch_free,
 )
 
 FORMAT = get_format("cbfloat16")
 RANDOM_PATTERNS = 10**7
 CHUNK = 2**21
+_COMPILED: list = []
+
+
+def _compiled_branch_free(x: torch.Tensor) -> torch.Tensor:
+    """The branch-free rounding compiled by inductor, as ``cbfloat16_numerics`` runs it inside
+    ``torch.compile`` (compiled once, for every size)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(round_float32_branch_free, dynamic=True))
+    return _COMPILED[0](x)
 
 
 def _jax_bits(bits: np.ndarray) -> np.ndarray:
@@ -61,6 +71,13 @@ def _assert_same_bits(bits: np.ndarray) -> None:
     # The carrier path alone on every pattern: what a GPU runs on every tensor.
     carried = _round_with_carrier(torch.from_numpy(bits.view(np.float32).copy()))
     _assert_equal_bits(bits, expected, carried.numpy().view(np.uint32), "the carrier path")
+    # The branch-free rounding (what torch.compile traces), eagerly and compiled by inductor.
+    for path, rounding in [
+        ("the branch-free rounding", round_float32_branch_free),
+        ("the compiled branch-free rounding", _compiled_branch_free),
+    ]:
+        got = rounding(torch.from_numpy(bits.view(np.float32).copy())).numpy().view(np.uint32)
+        _assert_equal_bits(bits, expected, got, path)
     taken = _integer_path_takes(bits.view(np.float32))
     if taken.any():
         x = torch.from_numpy(bits[taken].view(np.float32).copy())

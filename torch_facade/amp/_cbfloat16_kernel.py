@@ -53,9 +53,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["round_float32"]
+__all__ = ["round_float32", "round_float32_branch_free"]
 
 _ABS = 0x7FFFFFFF
+_SIGN = -0x80000000  # 0x80000000 as an int32
+_INF = 0x7F800000
 _EXPONENT = 0x7F800000
 _QUIET_NAN = 0x7FC00000
 _MANTISSA_SHIFT = 23
@@ -77,6 +79,7 @@ _MAY_OVERFLOW_FIELD = _field(_HIGHEST_EXPONENT - 1)  # below 2**31 nothing round
 _SHIFT_EXACT_FROM = _LOWEST_FIELD  # 2**-30: from here up cbfloat16's quantum is 2**14 ulps
 _ROUND_BIT = 1 << _DROPPED_BITS
 _KEPT_BITS = -_ROUND_BIT  # ~0x3FFF as an int32
+_SUBNORMAL_QUANTUM = 2.0**-39  # cbfloat16's quantum below 2**-30
 
 
 def round_float32(x: torch.Tensor) -> torch.Tensor:
@@ -142,3 +145,34 @@ def _may_overflow(power_bits: torch.Tensor) -> bool:
     if power_bits.device.type != "cpu" or power_bits.numel() == 0:
         return power_bits.numel() > 0
     return bool(power_bits.max() >= _MAY_OVERFLOW_FIELD)
+
+
+def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
+    """:func:`round_float32` with no decision on values: the rounding that ``torch.compile``
+    traces (see the module's docstring). Every step is element-wise, so inductor fuses them into
+    one loop, and into the kernel that produced ``x``.
+
+    Bit-identical to ``hardware.get_format("cbfloat16").round`` on every float32 input, as
+    :func:`round_float32` is.
+
+    Args:
+        x: a float32 tensor.
+
+    Example:
+        >>> import torch
+        >>> from torch_facade.amp._cbfloat16_kernel import round_float32_branch_free
+        >>> x = torch.tensor([1 + 2**-10, 65504.0, 2.0**-39, 2.0**-40, -1e10, float("nan")])
+        >>> round_float32_branch_free(x).tolist()
+        [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
+    """
+    bits = x.view(torch.int32)
+    magnitude = bits & _ABS
+    # The integer path's rounding, on magnitudes clamped at inf's (no int32 overflow for NaNs).
+    clamped = magnitude.clamp(max=_INF)
+    nearest = (clamped + ((clamped >> _DROPPED_BITS) & 1) + (_ROUND_BIT // 2 - 1)) & _KEPT_BITS
+    # Below 2**-30 the quantum is 2**-39: both products are exact, round() is to nearest even.
+    subnormal = (x.abs() * (1 / _SUBNORMAL_QUANTUM)).round() * _SUBNORMAL_QUANTUM
+    rounded = torch.where(magnitude < _LOWEST_FIELD, subnormal.view(torch.int32), nearest)
+    rounded = torch.where(rounded >= _HIGHEST_FIELD, _INF, rounded)  # 2**32 and up: inf
+    rounded = torch.where(magnitude > _INF, _QUIET_NAN, rounded)
+    return (rounded | (bits & _SIGN)).view(torch.float32)

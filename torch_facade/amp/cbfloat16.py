@@ -93,6 +93,34 @@ class _RoundToCbfloat16(torch.autograd.Function):
         return grad_output.to(ctx.input_dtype)
 
 
+def _traced_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The rounded values of ``tensor`` for ``torch.compile``: the branch-free rounding, traced
+    as element-wise torch operations (dtype as :func:`round_to_cbfloat16`'s)."""
+    rounded = _cbfloat16_kernel.round_float32_branch_free(tensor.to(torch.float32))
+    return rounded.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+class _TracedRound(torch.autograd.Function):
+    """:class:`_RoundToCbfloat16` inside ``torch.compile``: traced, forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.input_dtype = tensor.dtype
+        return _traced_values(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.to(ctx.input_dtype)
+
+
+class _TracedCast(_TracedRound):
+    """:class:`_CastToCbfloat16` inside ``torch.compile``: traced, forward and backward."""
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return _traced_values(grad_output).to(ctx.input_dtype)
+
+
 class _CastToCbfloat16(_RoundToCbfloat16):
     """A cast: rounds the values, and rounds the incoming gradient in the backward pass."""
 
@@ -180,7 +208,7 @@ def _cast(tensor: torch.Tensor) -> torch.Tensor:
     its last submodule's output. Its values are on the grid already, and its gradient is rounded
     by the cast that made it, once all its uses are summed."""
     if torch.compiler.is_compiling():
-        return cast_to_cbfloat16(tensor)
+        return cast(torch.Tensor, _TracedCast.apply(tensor))
     made_at = getattr(tensor, _CAST_VERSION, None)
     if made_at is not None and made_at == tensor._version:
         return tensor
