@@ -180,10 +180,7 @@ def plot_losses(door: DoorResult, path: Path) -> Path:
     ax.set_title(f"{door.front_door}: GPT-2 on the standard library's source")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_scales(door: DoorResult, path: Path) -> Path:
@@ -203,10 +200,7 @@ def plot_scales(door: DoorResult, path: Path) -> Path:
     ax.set_title(f"{door.front_door}: loss-scale trajectories")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_gradient_range(door: DoorResult, path: Path) -> Path:
@@ -249,10 +243,7 @@ def plot_gradient_range(door: DoorResult, path: Path) -> Path:
         "(bfloat16's range, 2^-133 .. 2^128, is off the chart)"
     )
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_door(door: DoorResult, out_dir: Path) -> list[Path]:
@@ -266,3 +257,13 @@ def plot_door(door: DoorResult, out_dir: Path) -> list[Path]:
         plot_scales(door, out_dir / f"{door.front_door}_loss_scale.png"),
         plot_gradient_range(door, out_dir / f"{door.front_door}_gradients.png"),
     ]
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lays out ``fig``, writes it to ``path`` (110 dpi), closes it and returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -429,10 +429,7 @@ def plot_losses(sweeps: Sequence[DoorSweep], path: Path) -> Path:
         ax.set_title(f"{sweep.front_door}: {sweep.plan.steps} steps at each k")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
 
 
 def plot_underflow(sweeps: Sequence[DoorSweep], path: Path) -> Path:
@@ -457,10 +454,7 @@ def plot_underflow(sweeps: Sequence[DoorSweep], path: Path) -> Path:
     ax.set_title("First step's gradient-range report: what underflows without loss scaling")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
 
 
 def plot_gradients(sweep: DoorSweep, path: Path) -> Path:
