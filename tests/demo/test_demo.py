@@ -249,7 +249,8 @@ def test_the_tiny_run_writes_the_sweep(tiny_run: tuple[list, Path]) -> None:
         }
         for fmt in sweep.HALF_FORMATS:
             one, four = guess[1, fmt], guess[4, fmt]
-            assert four["suggested_loss_scale"] == 4 * one["suggested_loss_scale"]
+            # ... up to float32's largest power of two, where the wide formats' suggestion stops
+            assert four["suggested_loss_scale"] == min(4 * one["suggested_loss_scale"], 2.0**127)
             assert four["underflow_at_1"] >= one["underflow_at_1"]
         assert guess[1, "bfloat16"]["underflow_at_1"] == 0.0
     # The same real accumulation through both front doors: float32 agrees.
