@@ -201,7 +201,8 @@ def _cast(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`cast_to_cbfloat16` of a tensor known to be float32 or float64, for the hooks of
     :func:`cbfloat16_numerics` (about 200 casts an iteration of a small GPT-2): eagerly, the
     autograd function itself, without the argument check and the boundary's wrapper; under
-    ``torch.compile``, the public function, so that dynamo breaks its graph there as before.
+    ``torch.compile``, :class:`_TracedCast`, the rounding as torch operations that dynamo traces
+    into the graph and inductor fuses (no graph break, no guard on the tensor's type).
 
     Eagerly, a tensor that is itself one of these casts' results, unchanged since (its version
     counter as it was), is returned as it is: a ``Dropout(p=0)`` returns its input, a container
@@ -230,12 +231,14 @@ def _round_tree(value: Any) -> Any:
     """Rounds every float32/float64 tensor in nested tuples, lists and dicts; keeps the rest."""
     if isinstance(value, torch.Tensor):
         return _cast(value) if value.dtype in _EXACT_DTYPES else value
+    # Lists, not generator expressions: dynamo traces a list comprehension inside the compiled
+    # frame, and gives up on a generator (a hook frame it skips, with a note in its counters).
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_round_tree(v) for v in value))
+        return type(value)(*[_round_tree(v) for v in value])
     if isinstance(value, (tuple, list)):
-        return type(value)(_round_tree(v) for v in value)
+        return type(value)([_round_tree(v) for v in value])
     if isinstance(value, dict):
-        return type(value)((k, _round_tree(v)) for k, v in value.items())
+        return type(value)([(k, _round_tree(v)) for k, v in value.items()])
     return value
 
 
