@@ -1,4 +1,5 @@
-"""The cbfloat16 preview against float32: whole training iterations of a Hugging Face GPT-2.
+"""The cbfloat16 preview against float32: whole training iterations of a Hugging Face GPT-2,
+eagerly and under ``torch.compile``, and the JAX front door's jitted step.
 
 ``GPT2LMHeadModel`` with 4 layers, d=256, 4 heads, a byte vocabulary (256), random init, one
 batch of 8x128 random bytes, AdamW; variants interleaved in one process (each its own copy of
@@ -7,7 +8,15 @@ the same model), medians. Run alone: ``python -m benchmarks --sections cbfloat16
 * ``float32``: forward, backward, ``optimizer.step()``, ``zero_grad()``; no scaler;
 * ``cbfloat16 preview``: the same inside ``cstorch.amp.cbfloat16_numerics`` (entered once,
   around the loop, as ``docs/pytorch/cbfloat16.md`` shows), with the facade's DLS scaler;
-* ``float16 autocast``, with ``torch.amp.GradScaler`` (the reference) and with the facade's.
+* ``float16 autocast``, with ``torch.amp.GradScaler`` (the reference) and with the facade's;
+* ``float32, torch.compile`` and ``cbfloat16 preview, torch.compile``: the model compiled by
+  ``torch.compile`` (inductor) inside the loop above; the preview's ratio is to compiled
+  float32, and dynamo's counts for it (graphs, breaks, frames compiled after the warm-up) are
+  recorded.
+
+The JAX table times the demo's flax NNX GPT (``demo/jax_door.py``: 2 layers, width 64, batch
+32 x 64 bytes) in its jitted ``LossScaledOptimizer`` step, float32 against cbfloat16 with and
+without loss scaling, all compiled with XLA's default options.
 """
 
 from __future__ import annotations
@@ -26,16 +35,18 @@ ROUNDS = 5
 ITERS = 3
 WARMUP = 2
 INIT_SCALE = 2.0**16  # no overflow at this size: every timed step is applied
+COMPILED = "torch.compile"
 
 
-def _gpt2(seed: int) -> torch.nn.Module:
+def _gpt2(seed: int, small: bool = False) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
+    width, layers = (32, 1) if small else (256, 4)
     config = GPT2Config(
-        vocab_size=256, n_positions=128, n_embd=256, n_layer=4, n_head=4,
+        vocab_size=256, n_positions=128, n_embd=width, n_layer=layers, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
@@ -44,30 +55,40 @@ def _gpt2(seed: int) -> torch.nn.Module:
 
 
 class _Variant:
-    """One row: its own model copy, optimizer and scaler; ``step()`` is one iteration."""
+    """One row: its own model copy, optimizer and scaler; ``step()`` is one iteration;
+    ``reference`` is the row its ratio is taken to."""
 
-    def __init__(self, name: str, model: torch.nn.Module, step: Callable[[], None]) -> None:
+    def __init__(
+        self, name: str, model: torch.nn.Module, step: Callable[[], None], reference: str
+    ) -> None:
         self.name = name
         self.model = model
         self.step = step
+        self.reference = reference
         self.samples: list[float] = []
 
 
 @contextlib.contextmanager
-def _variants(seed: int) -> Iterator[list[_Variant]]:
+def _variants(seed: int, small: bool, float16_autocast: bool) -> Iterator[list[_Variant]]:
     import torch_facade as cstorch
 
-    base = _gpt2(seed)
-    tokens = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(seed + 1))
+    base = _gpt2(seed, small)
+    shape = (2, 16) if small else (8, 128)
+    tokens = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed + 1))
 
-    def make(name: str, autocast: torch.dtype | None, scaler: Any) -> _Variant:
+    def make(
+        name: str, autocast: torch.dtype | None, scaler: Any, compiled: bool = False
+    ) -> _Variant:
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        holder: list[Callable[..., Any]] = []  # the compiled model, made inside the preview
 
         def step() -> None:
+            if not holder:
+                holder.append(torch.compile(model) if compiled else model)
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                loss = model(input_ids=tokens, labels=tokens).loss
+                loss = holder[0](input_ids=tokens, labels=tokens).loss
             if scaler is None:
                 loss.backward()
                 optimizer.step()
@@ -76,20 +97,39 @@ def _variants(seed: int) -> Iterator[list[_Variant]]:
             scaler.step(optimizer)
             scaler.update()
 
-        return _Variant(name, model, step)
+        reference = f"float32, {COMPILED}" if compiled else "float32"
+        return _Variant(name, model, step, reference)
 
     def facade() -> Any:
         return cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=INIT_SCALE)
 
-    rows = [
-        make("float32", None, None),
-        make("cbfloat16 preview, facade DLS", None, facade()),
-        make("float16 autocast, torch.amp.GradScaler", torch.float16,
-             torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)),
-        make("float16 autocast, facade DLS", torch.float16, facade()),
-    ]  # fmt: skip
-    with cstorch.amp.cbfloat16_numerics(rows[1].model):
+    preview = make("cbfloat16 preview, facade DLS", None, facade())
+    compiled_preview = make(
+        f"cbfloat16 preview, {COMPILED}, facade DLS", None, facade(), compiled=True
+    )
+    rows = [make("float32", None, None), preview]
+    if float16_autocast:
+        rows += [
+            make("float16 autocast, torch.amp.GradScaler", torch.float16,
+                 torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)),
+            make("float16 autocast, facade DLS", torch.float16, facade()),
+        ]  # fmt: skip
+    rows += [make(f"float32, {COMPILED}", None, None, compiled=True), compiled_preview]
+    with (
+        cstorch.amp.cbfloat16_numerics(preview.model),
+        cstorch.amp.cbfloat16_numerics(compiled_preview.model),
+    ):
         yield rows
+
+
+def _dynamo_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "frames": int(counters["frames"]["total"]),
+    }
 
 
 def run(
@@ -98,14 +138,32 @@ def run(
     warmup: int = WARMUP,
     seed: int = 0,
     tick: Callable[[], None] = lambda: None,
+    small: bool = False,
+    jax_iters: int = 10,
+    float16_autocast: bool = True,
 ) -> dict[str, Any]:
-    """Times every variant ``rounds`` x ``iters`` times, interleaved; returns the rows."""
-    ratios: dict[str, list[float]] = {}
-    with warnings.catch_warnings(), _variants(seed) as rows:
+    """Times every variant ``rounds`` x ``iters`` times, interleaved; returns the rows, and the
+    JAX door's under ``"jax"`` (``rounds`` x ``jax_iters`` steps; 0: not run).
+
+    ``small``: a 1-layer GPT-2 of width 32 on 2 x 16 bytes (the harness test's size).
+    ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a CPU without
+    float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there: 28x float32 on
+    a Zen 5 EPYC).
+    """
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings(), _variants(seed, small, float16_autocast) as rows:
         warnings.simplefilter("ignore")  # transformers' and autocast's notes
+        compiled_preview = rows[-1]
+        after_warmup = _dynamo_counts()
         for variant in rows:
-            for _ in range(warmup):
-                variant.step()
+            for _ in range(max(1, warmup) if variant.reference != "float32" else warmup):
+                variant.step()  # a compiled variant compiles here, before the counts
+            if variant is compiled_preview:
+                after_warmup = _dynamo_counts()
         for _ in range(rounds):
             for _ in range(iters):
                 for variant in rows:
@@ -113,37 +171,145 @@ def run(
                     variant.step()
                     variant.samples.append(time.perf_counter() - started)
             tick()
-        reference = rows[0].samples
-        for variant in rows:
-            ratios[variant.name] = [t / r for t, r in zip(variant.samples, reference, strict=True)]
-        return {
+        at_end = _dynamo_counts()
+        by_name = {v.name: v for v in rows}
+        ratios = {
+            v.name: [t / r for t, r in zip(v.samples, by_name[v.reference].samples, strict=True)]
+            for v in rows
+        }
+        result = {
             "rounds": rounds,
             "iters": iters,
+            "compiled": {
+                **at_end,
+                "frames_compiled_after_warmup": at_end["frames"] - after_warmup["frames"],
+            },
             "rows": [
                 {
                     "case": v.name,
+                    "reference": v.reference,
                     "median_ms": 1e3 * statistics.median(v.samples),
                     "ratio_to_float32": statistics.median(ratios[v.name]),
+                    "spread": [min(ratios[v.name]), max(ratios[v.name])],
                     "samples_s": v.samples,
                 }
                 for v in rows
             ],
         }
+    result["jax"] = run_jax(rounds, jax_iters, seed, small) if jax_iters else None
+    return result
+
+
+def run_jax(
+    rounds: int = ROUNDS, iters: int = 10, seed: int = 0, small: bool = False
+) -> dict[str, Any]:
+    """The demo's JAX door: its jitted flax NNX step, float32 against cbfloat16 (with the
+    library's dynamic loss scaling and without), interleaved; medians of the ratios.
+
+    ``small``: 1 layer of width 32, 4 x 16 bytes (the harness test's size)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import amp_core
+    from amp_core.flax_nnx import LossScaledOptimizer
+    from demo import jax_door
+    from demo.text import ModelSize, Settings
+
+    settings = Settings(seed=seed)
+    if small:
+        settings = Settings(
+            seed=seed, batch_size=4, size=ModelSize(n_layer=1, n_embd=32, n_positions=16)
+        )
+    rng = jax.random.key(seed)
+    windows = jax.random.randint(rng, (settings.batch_size, settings.size.n_positions + 1), 0, 256)
+    divisor = jnp.float32(1.0)
+    step_fn = jax.jit(jax_door._amp_core_step, static_argnums=0, donate_argnums=1)
+    variants: dict[str, list[Any]] = {}
+    for name, fmt, config in (
+        ("float32", "float32", amp_core.StaticLossScale()),
+        ("cbfloat16, no scaling", "cbfloat16", amp_core.StaticLossScale()),
+        ("cbfloat16 + DLS", "cbfloat16", amp_core.DynamicLossScale(half_dtype="cbfloat16")),
+    ):
+        model = jax_door.GPT(settings.size, seed, fmt)
+        optimizer = LossScaledOptimizer(model, jax_door._tx(settings), config, wrt=nnx.Param)
+        graphdef, state = nnx.split((model, optimizer))
+        variants[name] = [graphdef, state]
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+
+    def step(name: str) -> float:
+        graphdef, state = variants[name]
+        started = time.perf_counter()
+        state, loss, _, _ = step_fn(graphdef, state, windows, divisor)
+        jax.block_until_ready(loss)
+        variants[name][1] = state
+        return time.perf_counter() - started
+
+    for name in variants:  # compile and warm up
+        step(name)
+        step(name)
+    for _ in range(rounds):
+        for _ in range(iters):
+            for name in variants:
+                samples[name].append(step(name))
+    rows = []
+    for name, times in samples.items():
+        ratios = [t / r for t, r in zip(times, samples["float32"], strict=True)]
+        rows.append(
+            {
+                "case": name,
+                "median_ms": 1e3 * statistics.median(times),
+                "ratio_to_float32": statistics.median(ratios),
+                "spread": [min(ratios), max(ratios)],
+            }
+        )
+    return {"rounds": rounds, "iters": iters, "rows": rows}
 
 
 def markdown(result: dict[str, Any], number: int) -> list[str]:
     """The report's cbfloat16 section."""
+    counts = result.get("compiled")
     out = [
         f"## {number}. The cbfloat16 preview (Hugging Face GPT-2)",
         "",
         "GPT2LMHeadModel, 4 layers, d=256, 8x128 bytes, random init, AdamW; whole training "
         f"iterations interleaved in one process, {result['rounds']} rounds of "
         f"{result['iters']}; ratio: median over iterations of the ratio to the float32 "
-        "iteration next to it (`python -m benchmarks --sections cbfloat16`).",
+        "iteration next to it, eager to eager and compiled to compiled, with its spread "
+        "[min, max] (`python -m benchmarks --sections cbfloat16`).",
         "",
-        "| variant | median ms | ratio to float32 |",
-        "|---|---:|---:|",
+        "| variant | median ms | ratio to float32 | spread |",
+        "|---|---:|---:|---|",
     ]
     for row in result["rows"]:
-        out.append(f"| {row['case']} | {row['median_ms']:.1f} | {row['ratio_to_float32']:.2f} |")
+        low, high = row.get("spread", (row["ratio_to_float32"],) * 2)
+        out.append(
+            f"| {row['case']} | {row['median_ms']:.1f} | {row['ratio_to_float32']:.2f} "
+            f"| [{low:.2f}, {high:.2f}] |"
+        )
+    if counts:
+        out += [
+            "",
+            f"Dynamo, both compiled models: {counts['graphs']} graphs, "
+            f"{counts['graph_breaks']} graph breaks (transformers' built-in loss logs a note "
+            f"through its logger: one break per model); frames compiled after the warm-up: "
+            f"{counts['frames_compiled_after_warmup']}.",
+        ]
+    jax_result = result.get("jax")
+    if jax_result:
+        out += [
+            "",
+            "The JAX front door: the demo's flax NNX GPT (2 layers, width 64, 32 x 64 bytes) in "
+            "its jitted `LossScaledOptimizer` step, interleaved, "
+            f"{jax_result['rounds']} rounds of {jax_result['iters']}:",
+            "",
+            "| variant | median ms | ratio to float32 | spread |",
+            "|---|---:|---:|---|",
+        ]
+        for row in jax_result["rows"]:
+            low, high = row["spread"]
+            out.append(
+                f"| {row['case']} | {row['median_ms']:.1f} | {row['ratio_to_float32']:.2f} "
+                f"| [{low:.2f}, {high:.2f}] |"
+            )
     return [*out, ""]

@@ -29,14 +29,34 @@ def test_startup_section_measures_imports_and_both_runs_in_fresh_processes():
 
 
 def test_cbfloat16_section_times_every_variant_interleaved():
+    """Eager and compiled rows, each compiled row's ratio to compiled float32, dynamo's counts
+    (no frame compiled after the warm-up), the JAX door's table; on a small GPT-2."""
     pytest.importorskip("transformers")
-    result = cbfloat16_bench.run(rounds=1, iters=1, warmup=0)
+    result = cbfloat16_bench.run(rounds=1, iters=1, warmup=0, small=True, jax_iters=1)
+    with cbfloat16_bench._variants(0, small=True, float16_autocast=False) as rows:
+        without_autocast = [row.name for row in rows]
+    assert len(without_autocast) == 4 and not any("autocast" in n for n in without_autocast)
     names = [row["case"] for row in result["rows"]]
-    assert names[0] == "float32" and len(names) == 4
+    assert names[0] == "float32" and len(names) == 6
     assert any("cbfloat16 preview" in n for n in names)
     assert any("torch.amp.GradScaler" in n for n in names)
+    references = {row["case"]: row["reference"] for row in result["rows"]}
+    compiled = [n for n in names if "torch.compile" in n]
+    assert len(compiled) == 2 and all(references[n] == "float32, torch.compile" for n in compiled)
+    assert all(references[n] == "float32" for n in names if n not in compiled)
     for row in result["rows"]:
         assert len(row["samples_s"]) == 1 and row["median_ms"] > 0
+        low, high = row["spread"]
+        assert low <= row["ratio_to_float32"] <= high
     assert result["rows"][0]["ratio_to_float32"] == 1.0
+    counts = result["compiled"]
+    assert counts["graphs"] >= 2 and counts["frames_compiled_after_warmup"] == 0
+    assert [row["case"] for row in result["jax"]["rows"]] == [
+        "float32", "cbfloat16, no scaling", "cbfloat16 + DLS",
+    ]  # fmt: skip
+    assert result["jax"]["rows"][0]["ratio_to_float32"] == 1.0
     text = "\n".join(cbfloat16_bench.markdown(result, 3))
     assert text.startswith("## 3. The cbfloat16 preview")
+    assert "cbfloat16 preview, torch.compile, facade DLS" in text
+    assert "frames compiled after the warm-up: 0" in text
+    assert "| cbfloat16 + DLS |" in text

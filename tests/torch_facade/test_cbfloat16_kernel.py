@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hardware import get_format
+from torch_facade.amp import _cbfloat16_kernel
 from torch_facade.amp._cbfloat16_kernel import (
     _round_on_integers,
     _round_with_carrier,
@@ -252,3 +253,73 @@ def test_the_overflow_passes_change_no_value_below_two_to_the_31(monkeypatch):
     bits = np.concatenate([below, small_bits, below | 0x80000000, small_bits | 0x80000000])
     assert np.isfinite(_torch_bits(bits).view(np.float32)).all()  # nothing reaches 2**32
     _assert_same_bits(bits)
+
+
+def _large_mixed_tensor() -> torch.Tensor:
+    """Random float32 bit patterns (every path's values: subnormal range, overflow, inf, NaN)
+    and ordinary activations, past the fused path's threshold."""
+    rng = np.random.default_rng(5)
+    bits = rng.integers(0, 2**32, _cbfloat16_kernel.FUSED_FROM * 2, dtype=np.uint32)
+    x = torch.from_numpy(bits.view(np.float32).copy())
+    x[: x.numel() // 2] = torch.randn(x.numel() // 2)
+    return x
+
+
+def _hardware_bits(x: torch.Tensor) -> np.ndarray:
+    return _jax_bits(x.contiguous().numpy().view(np.uint32))
+
+
+def test_large_cpu_tensors_round_in_one_fused_loop_with_the_same_bits():
+    """From FUSED_FROM elements, a contiguous CPU tensor takes the inductor-compiled loop (here,
+    where a C++ compiler is present); a transposed one the integer or carrier path. The bits of
+    both are the specification's."""
+    fused = _cbfloat16_kernel._fused_rounding()
+    assert fused is not None, "inductor could not compile the fused rounding on this machine"
+    x = _large_mixed_tensor()
+    assert x.numel() >= _cbfloat16_kernel.FUSED_FROM
+    _assert_equal_bits(
+        x.numpy().view(np.uint32), _hardware_bits(x), round_float32(x).numpy().view(np.uint32),
+        "round_float32 (fused)",
+    )  # fmt: skip
+    grid = x.view(512, -1).t()  # not contiguous: not the fused loop
+    assert not grid.is_contiguous()
+    got = round_float32(grid).contiguous().numpy().view(np.uint32)
+    _assert_equal_bits(
+        grid.contiguous().numpy().view(np.uint32), _hardware_bits(grid), got, "strided"
+    )
+
+
+def _forget_the_fused_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cbfloat16_kernel, "_FUSED", [])
+
+
+def test_without_a_compiled_loop_the_kernel_keeps_the_integer_path(monkeypatch):
+    """torch.compile failing (no C++ compiler, say), or switched off by the environment: the
+    rounding is the integer and carrier paths', with the same bits."""
+    x = _large_mixed_tensor()
+    expected = _hardware_bits(x)
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    _forget_the_fused_rounding(monkeypatch)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    assert _cbfloat16_kernel._fused_rounding() is None
+    bits = x.numpy().view(np.uint32)
+    _assert_equal_bits(bits, expected, round_float32(x).numpy().view(np.uint32), "no compiler")
+    monkeypatch.undo()
+
+    _forget_the_fused_rounding(monkeypatch)
+    monkeypatch.setenv("CSTORCH_CBFLOAT16_FUSED", "0")
+    assert _cbfloat16_kernel._fused_rounding() is None
+    _assert_equal_bits(bits, expected, round_float32(x).numpy().view(np.uint32), "switched off")
+
+
+def test_a_compiled_loop_that_rounds_wrongly_is_not_used(monkeypatch):
+    """The compiled loop is checked against the integer path on a probe before it is used."""
+    _forget_the_fused_rounding(monkeypatch)
+    monkeypatch.setattr(_cbfloat16_kernel, "round_float32_branch_free", lambda x: x * 1.0)
+    assert _cbfloat16_kernel._fused_rounding() is None
+    x = _large_mixed_tensor()
+    got = round_float32(x).numpy().view(np.uint32)
+    _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "after a wrong loop")

@@ -13,8 +13,17 @@ bit: every cbfloat16 code, every rounding tie, float32 subnormals, infs and NaNs
 float32 bit patterns (10**7 in all). ``hardware`` stays the specification; a change of the
 format is made there and this kernel follows the test.
 
-On the CPU, most tensors take the integer path; the others, and every tensor on other
-devices, take the carrier path. Both give the same bits.
+On the CPU, a contiguous tensor of ``FUSED_FROM`` (2**16) elements or more takes the fused path,
+smaller and strided tensors the integer path, and the few the integer path refuses, like every
+tensor on other devices, the carrier path. All give the same bits.
+
+**The fused path** (CPU, large contiguous tensors): :func:`round_float32_branch_free`, compiled
+once per process by inductor (``torch.compile``, a dynamic size) into one loop that reads the
+tensor once and writes the result once; the integer path makes eight passes. It is what most of
+the preview's time went to: about 28 ms of a 175 ms iteration of a 4-layer GPT-2 on a 2-core
+AMD EPYC. The first call compiles it (seconds; inductor's cache on disk shortens it in later
+processes) and checks it against the integer path on a probe; where it cannot be compiled (no
+C++ compiler, say) or ``CSTORCH_CBFLOAT16_FUSED=0`` is set, the integer path stays.
 
 **The integer path** (CPU). Rounding to nearest even at bit 14 of the float32 encoding is
 ``(b + 0x1FFF + ((b >> 14) & 1)) & ~0x3FFF`` on the bits ``b``: five in-place passes over one
@@ -50,6 +59,9 @@ with no read.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import torch
 
@@ -98,10 +110,51 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
     """
     if x.device.type == "cpu" and x.numel() > 0:
+        if x.numel() >= FUSED_FROM and x.is_contiguous() and not x.is_inference():
+            fused = _fused_rounding()
+            if fused is not None:
+                with torch.no_grad():  # one graph: no guard on the grad mode
+                    return fused(x.detach().view(-1)).view(x.shape)
         rounded = _round_on_integers(x)
         if rounded is not None:
             return rounded
     return _round_with_carrier(x)
+
+
+FUSED_FROM = 1 << 16
+"""Elements from which a contiguous CPU tensor takes the fused path: below it, calling the
+compiled loop costs more than the integer path's passes over the tensor (measured: 20 us against
+15 us at 64 elements; 54 us against 79 us at 2**18)."""
+
+_FUSED: list[Callable[[torch.Tensor], torch.Tensor] | None] = []
+"""The fused rounding once tried: ``[function]``, or ``[None]`` where it cannot be compiled."""
+
+
+def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """:func:`round_float32_branch_free` compiled by inductor into one loop over the tensor (one
+    read, one write, against the integer path's eight passes), or ``None`` where it cannot be
+    compiled here (no C++ compiler, an unsupported platform, ``TORCHDYNAMO_DISABLE``, or
+    ``CSTORCH_CBFLOAT16_FUSED=0``). Compiled once per process for every size (a dynamic size, one
+    dimension); inductor's cache on disk makes the compilation of later processes short. A
+    compiled loop that does not give the integer path's bits on a probe is not used."""
+    if _FUSED:
+        return _FUSED[0]
+    fused: Callable[[torch.Tensor], torch.Tensor] | None = None
+    if os.environ.get("CSTORCH_CBFLOAT16_FUSED", "1") != "0":
+        try:
+            candidate = torch.compile(round_float32_branch_free, dynamic=True, fullgraph=True)
+            probe = torch.linspace(-3.0, 3.0, FUSED_FROM) * 2.0**-7
+            with torch.no_grad():
+                result = candidate(probe)
+            expected = _round_on_integers(probe)
+            if expected is not None and torch.equal(
+                result.view(torch.int32), expected.view(torch.int32)
+            ):
+                fused = candidate
+        except Exception:  # any failure to compile leaves the integer path
+            fused = None
+    _FUSED.append(fused)
+    return fused
 
 
 def _round_on_integers(x: torch.Tensor) -> torch.Tensor | None:
