@@ -2,7 +2,8 @@
 
 Examples::
 
-    python -m benchmarks                            # every section at S, M and tiny
+    python -m benchmarks                            # every section, quick: S and tiny, 3 rounds
+    python -m benchmarks --full                     # the documented numbers: S, M, tiny, 5 rounds
     python -m benchmarks --sections whole --sizes M # only whole iterations, at M
     python -m benchmarks --sections scaler,jax      # the scaler-only and JAX-native tables
     python -m benchmarks --no-ddp                   # everything but the 2-rank DDP row
@@ -20,8 +21,8 @@ from pathlib import Path
 
 from benchmarks import host_bench, plots, report
 from benchmarks.ddp_bench import ITERS as DDP_ITERS
-from benchmarks.runner import DEFAULT_ROUNDS, SECTIONS, BenchOptions, run
-from benchmarks.sizes import DEFAULT_SIZES, SIZES
+from benchmarks.runner import FULL_ROUNDS, QUICK_ROUNDS, SECTIONS, BenchOptions, run
+from benchmarks.sizes import FULL_SIZES, QUICK_SIZES, SIZES
 from benchmarks.torch_bench import WARMUP_STEPS
 
 
@@ -109,17 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="model size of the DDP section (default S)",
     )
     parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the documented run: sizes {','.join(FULL_SIZES)}, {FULL_ROUNDS} rounds, the step "
+        "section at M, the cbfloat16 section's float16 autocast rows (about 20 minutes on 2 "
+        f"cores; default: the quick run, sizes {','.join(QUICK_SIZES)}, {QUICK_ROUNDS} rounds, "
+        "the step section at S, about 5 minutes)",
+    )
+    parser.add_argument(
         "--step-size",
         type=_size,
-        default="M",
-        help="the parameter layout of the step section (default M: 148 leaves, 28.0M params)",
+        default=None,
+        help="the parameter layout of the step section (default S: 20 leaves, 1.1M params; "
+        "with --full M: 148 leaves, 28.0M params)",
     )
     parser.add_argument(
         "--sizes",
         type=_sizes,
-        default=DEFAULT_SIZES,
+        default=None,
         help=f"comma-separated sizes among {', '.join(SIZES)} for every section but ddp and "
-        f"host (default {','.join(DEFAULT_SIZES)})",
+        f"host (default {','.join(QUICK_SIZES)}; with --full {','.join(FULL_SIZES)})",
     )
     parser.add_argument(
         "--host-tensors",
@@ -132,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounds",
         type=_positive,
-        default=DEFAULT_ROUNDS,
-        help=f"timed rounds per group (default {DEFAULT_ROUNDS})",
+        default=None,
+        help=f"timed rounds per group (default {QUICK_ROUNDS}; with --full {FULL_ROUNDS})",
     )
     parser.add_argument(
         "--iters",
@@ -171,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status (0).
     """
     args = build_parser().parse_args(argv)
-    sizes = tuple(args.sizes)
+    sizes = tuple(args.sizes or (FULL_SIZES if args.full else QUICK_SIZES))
     if args.large and "L" not in sizes:
         sizes += ("L",)
     sections = tuple(s for s in args.sections if not (args.no_ddp and s == "ddp"))
@@ -181,9 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes=sizes,
         sections=sections,
         ddp_size=args.ddp_size,
-        step_size=args.step_size,
+        step_size=args.step_size or ("M" if args.full else "S"),
         host_tensors=tuple(args.host_tensors),
-        rounds=args.rounds,
+        rounds=args.rounds or (FULL_ROUNDS if args.full else QUICK_ROUNDS),
+        full=args.full,
         iters=args.iters,
         warmup=max(0, args.warmup),
         seed=args.seed,

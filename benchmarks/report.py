@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cbfloat16_bench, startup_bench
+from benchmarks import cbfloat16_bench, startup_bench, step_bench
 
 MARKDOWN_NAME = "bench.md"
 JSON_NAME = "bench.json"
@@ -107,6 +107,22 @@ def _size_text(name: str, size: dict[str, Any]) -> str:
     return text
 
 
+def _cpu_note(meta: dict[str, Any]) -> str:
+    """The CPU and the features that decide half precision's speed on it.
+
+    Example:
+        >>> from benchmarks.report import _cpu_note
+        >>> _cpu_note({"cpu_model": "AMD EPYC", "cpu_features": {"AMX": False, "AVX-512": True}})
+        'CPU: AMD EPYC; AVX-512: yes; AMX: no.'
+    """
+    features = meta.get("cpu_features")
+    model = meta.get("cpu_model", "model not recorded")
+    if not features:
+        return f"CPU: {model}; its features could not be read."
+    listed = sorted(features.items(), key=lambda item: not item[1])
+    return f"CPU: {model}; " + "; ".join(f"{k}: {_yes(v)}" for k, v in listed) + "."
+
+
 def _header(results: dict[str, Any]) -> list[str]:
     meta = results["meta"]
     sizes = results["sizes"]
@@ -119,6 +135,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"{meta['optax']}; {meta['rounds']} rounds, variants interleaved round by round in one "
         f"process; a round's value is the median of its timed calls, and cells are medians over "
         f"rounds ([min, max] where shown); wall time {meta.get('wall_seconds', math.nan):.0f} s.",
+        "",
+        _cpu_note(meta),
         "",
         _thread_note(meta),
         "",
@@ -312,9 +330,52 @@ def _ddp_section(results: dict[str, Any], number: int) -> list[str]:
     return out + _comparison_table(ddp["rows"], with_set_to_none=False) + [""]
 
 
-def _ratio_cell(stats: dict[str, Any]) -> str:
-    """A ratio cell, or ``n/a`` where the ratio is undefined (``None`` in the JSON, NaN before)."""
-    return "n/a" if _num(stats["median"]) == "n/a" else _cell(stats, "x")
+def _ratio_cell(stats: dict[str, Any], floor: float | None = None) -> str:
+    """A ratio cell, or ``n/a`` where the ratio is undefined (``None`` in the JSON, NaN before).
+
+    ``floor``: the least the ratio can truly be (a variant that does all of its reference's
+    work, and more, cannot take less time): a median below it is the machine's noise, and the
+    cell says so instead of reporting it as a result.
+
+    Example:
+        >>> from benchmarks.report import _ratio_cell
+        >>> _ratio_cell({"median": 0.95, "min": 0.9, "max": 1.1}, floor=1.0)
+        '0.950x [0.900, 1.10] (noise: below its 1.00x floor)'
+        >>> _ratio_cell({"median": 1.05, "min": 0.9, "max": 1.1}, floor=1.0)
+        '1.05x [0.900, 1.10]'
+    """
+    if _num(stats["median"]) == "n/a":
+        return "n/a"
+    cell = _cell(stats, "x")
+    if floor is not None and stats["median"] < floor:
+        cell += f" (noise: below its {floor:.2f}x floor)"
+    return cell
+
+
+STEP_FLOORS: dict[str, dict[str, float]] = {
+    "ratio_plain": {
+        name: 1.0
+        for name in (
+            step_bench.FLOOR,
+            step_bench.GATED_FLOOR,
+            step_bench.WITH_LOSS_SCALING,
+            step_bench.APPLY_SCALED,
+            step_bench.JMP,
+            step_bench.FLAX,
+            step_bench.MPX,
+        )
+    },
+    "ratio_floor": {
+        name: 1.0
+        for name in (step_bench.GATED_FLOOR, step_bench.WITH_LOSS_SCALING, step_bench.APPLY_SCALED)
+    },
+    "ratio_gated_floor": {
+        name: 1.0 for name in (step_bench.WITH_LOSS_SCALING, step_bench.APPLY_SCALED)
+    },
+}
+"""The step section's floors, per ratio column and variant: every scaler's step does all of plain
+optax's work and more; the floor adds the global norm to plain's, the gated floor makes the
+update wait for it, and ``amp_core`` does both (and its decision)."""
 
 
 def _step_section(results: dict[str, Any], number: int) -> list[str]:
@@ -342,7 +403,9 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
         "documentation writes them "
         f"({versions}), with the same loss scale 1 + 2^-23 (no overflow, no growth); jmp with a "
         "float32 scale (its README's float16 one fails, below). Ratios: median [min, max] "
-        "over rounds of the per-round ratio. Traces: how often the step was traced (1 = one "
+        "over rounds of the per-round ratio; a variant that does all of a reference's work and "
+        "more cannot be faster than it, so a median below 1.00x there is marked as noise, not "
+        "a result. Traces: how often the step was traced (1 = one "
         f"compilation). Steps per round: {_iters(results, 'step')}.",
         "",
     ]
@@ -363,11 +426,10 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
             if row is None:
                 line += ["n/a"] * 4
                 continue
+            line += [_num(row["ms"]["median"])]
             line += [
-                _num(row["ms"]["median"]),
-                _ratio_cell(row["ratio_plain"]),
-                _ratio_cell(row["ratio_floor"]),
-                _ratio_cell(row["ratio_gated_floor"]),
+                _ratio_cell(row[column], STEP_FLOORS[column].get(name))
+                for column in ("ratio_plain", "ratio_floor", "ratio_gated_floor")
             ]
         line.append("/".join(str(cells[loss]["traces"]) for loss in losses if loss in cells))
         body.append(line)

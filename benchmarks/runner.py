@@ -52,7 +52,11 @@ from benchmarks.timing import (
 )
 
 MS = 1e3
-DEFAULT_ROUNDS = 5
+FULL_ROUNDS = 5
+"""Timed rounds per group of ``python -m benchmarks --full``."""
+QUICK_ROUNDS = 3
+"""Timed rounds per group of ``python -m benchmarks`` (``make bench``)."""
+DEFAULT_ROUNDS = FULL_ROUNDS
 
 HOST_ITERS = 100
 """Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
@@ -96,6 +100,8 @@ class BenchOptions:
         ddp_size: the model size of the DDP section.
         step_size: the layout of the ``step`` section's parameters.
         host_tensors: the gradient tensor counts of the ``host`` section.
+        full: the documented run: also the cbfloat16 section's float16 autocast rows (on a
+            CPU without float16 arithmetic, seconds per iteration).
     """
 
     sizes: tuple[str, ...]
@@ -108,6 +114,7 @@ class BenchOptions:
     ddp_size: str = "S"
     step_size: str = "M"
     host_tensors: tuple[int, ...] = host_bench.TENSORS
+    full: bool = True
 
 
 # Minimal traffic per parameter for the scaler's own work, by (optimizer, clip).
@@ -360,6 +367,39 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+CPU_FEATURES = {
+    "AMX": ("amx_tile",),
+    "AVX-512 FP16": ("avx512_fp16",),
+    "AVX-512 BF16": ("avx512_bf16",),
+    "AVX-512": ("avx512f",),
+}
+"""The CPU features that decide half-precision speed on the CPU, by their ``/proc/cpuinfo``
+flags: float16 matrix units (AMX, AVX-512 FP16) or none."""
+
+
+def cpu_features() -> dict[str, bool] | None:
+    """Which of :data:`CPU_FEATURES` the CPU has (``/proc/cpuinfo``'s first ``flags``), or
+    ``None`` where it cannot be read.
+
+    Example:
+        >>> features = cpu_features()
+        >>> features is None or set(features) == set(CPU_FEATURES)
+        True
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    flags = set(value.split())
+                    return {
+                        name: any(f in flags for f in names) for name, names in CPU_FEATURES.items()
+                    }
+    except OSError:  # no /proc on this platform
+        pass
+    return None
+
+
 THREAD_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "XLA_FLAGS")
 """Environment variables that change the thread pools' behaviour; the report lists those set."""
 
@@ -375,6 +415,8 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
+        "cpu_features": cpu_features(),
+        "full": options.full,
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "jax_devices": [str(d) for d in jax.devices()],
@@ -732,7 +774,7 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
         if "cbfloat16" in options.sections:
             bar.set_description("cbfloat16 preview: GPT-2")
             results["cbfloat16"] = cbfloat16_bench.run(
-                options.rounds, seed=options.seed, tick=state.tick
+                options.rounds, seed=options.seed, tick=state.tick, float16_autocast=options.full
             )
     meta = results["meta"]
     meta["compiles_after_warmup_total"] = sum(

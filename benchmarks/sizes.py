@@ -67,8 +67,15 @@ SIZES: dict[str, SizeSpec] = {
 }
 """Known sizes, by name."""
 
-DEFAULT_SIZES = ("S", "M", "tiny")
-"""What ``python -m benchmarks`` runs without ``--sizes``; ``--large`` adds ``L``."""
+FULL_SIZES = ("S", "M", "tiny")
+"""What ``python -m benchmarks --full`` runs without ``--sizes`` (the documented numbers);
+``--large`` adds ``L``."""
+
+QUICK_SIZES = ("S", "tiny")
+"""What ``python -m benchmarks`` (``make bench``) runs without ``--sizes``: minutes, not a
+quarter of an hour."""
+
+DEFAULT_SIZES = QUICK_SIZES
 
 _TOKENS = 64  # sequence length of the single backward pass
 

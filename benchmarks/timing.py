@@ -178,9 +178,17 @@ def warm_up(variants: Sequence[Variant], steps: int) -> float:
 ROUND_TARGET_S = 0.5
 """Aimed-at seconds of one variant's timed calls in one round (bounds the run on a busy machine)."""
 
+MIN_ROUND_S = 0.2
+"""The least seconds of one variant's timed calls in one round: shorter rounds make a median of
+noise (one or two steps of a few ms, where the machine's hiccups are as long)."""
+
+MAX_ITERS = 10_000
+"""No round times more calls than this, however short a call."""
+
 
 def choose_iters(max_iters: int, step_s: float, fixed: bool) -> int:
-    """Timed calls per variant and round: ``max_iters``, fewer when steps are slow.
+    """Timed calls per variant and round: ``max_iters``, fewer when steps are slow, and more
+    when ``max_iters`` steps would take less than :data:`MIN_ROUND_S`.
 
     Args:
         max_iters: the size's count (or the user's ``--iters``).
@@ -191,10 +199,13 @@ def choose_iters(max_iters: int, step_s: float, fixed: bool) -> int:
         >>> from benchmarks.timing import choose_iters
         >>> choose_iters(5, 0.05, False), choose_iters(5, 1.5, False), choose_iters(5, 1.5, True)
         (5, 1, 5)
+        >>> choose_iters(5, 0.004, False)  # 5 steps are 0.02 s: 50 make 0.2 s
+        50
     """
     if fixed or step_s <= 0:
         return max_iters
-    return max(1, min(max_iters, int(ROUND_TARGET_S / step_s)))
+    at_least = min(MAX_ITERS, math.ceil(MIN_ROUND_S / step_s))
+    return max(1, at_least, min(max_iters, int(ROUND_TARGET_S / step_s)))
 
 
 def run_interleaved(

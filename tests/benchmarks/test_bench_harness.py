@@ -460,11 +460,72 @@ def test_cli_selects_sections(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         with pytest.raises(SystemExit):
             cli.main([*argv, "--out", str(tmp_path)])
         assert seen[-1].sections == sections
-    assert seen[0].sizes == sizes.DEFAULT_SIZES and seen[0].ddp_size == "S"
-    assert seen[0].step_size == "M" and seen[4].step_size == "S"
+    assert seen[0].sizes == sizes.QUICK_SIZES and seen[0].ddp_size == "S"
+    assert seen[0].step_size == "S" and seen[0].rounds == runner.QUICK_ROUNDS
+    assert not seen[0].full
     assert seen[0].host_tensors == host_bench.TENSORS and seen[-1].host_tensors == (7, 9)
     with pytest.raises(SystemExit, match="no section left"):
         cli.main(["--sections", "ddp", "--no-ddp"])
+
+
+def test_the_quick_run_and_the_full_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``make bench`` is the quick run (every section, fewer sizes and rounds, the step section
+    at S, no float16 autocast rows); ``--full`` the documented one; explicit options win."""
+    seen: list[runner.BenchOptions] = []
+
+    def fake_run(options: runner.BenchOptions, argv: Any = None) -> dict[str, Any]:
+        seen.append(options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    for argv in ([], ["--full"], ["--full", "--sizes", "S", "--rounds", "2", "--step-size", "S"]):
+        with pytest.raises(SystemExit):
+            cli.main([*argv, "--out", str(tmp_path)])
+    quick, full, chosen = seen
+    assert quick.sections == full.sections == runner.SECTIONS
+    assert (quick.sizes, quick.rounds, quick.step_size, quick.full) == (
+        ("S", "tiny"),
+        3,
+        "S",
+        False,
+    )
+    assert (full.sizes, full.rounds, full.step_size, full.full) == (
+        ("S", "M", "tiny"),
+        5,
+        "M",
+        True,
+    )
+    assert (chosen.sizes, chosen.rounds, chosen.step_size, chosen.full) == (("S",), 2, "S", True)
+    cli.build_parser().parse_args(["--full", "--large"])  # --large still adds L
+
+
+def test_choose_iters_makes_every_round_at_least_the_minimum() -> None:
+    for step_s in (1e-6, 1e-4, 0.003, 0.05, 0.19):
+        iters = timing.choose_iters(5, step_s, fixed=False)
+        assert iters * step_s >= timing.MIN_ROUND_S or iters == timing.MAX_ITERS
+    assert timing.choose_iters(5, 1.5, fixed=False) == 1  # one step is past the minimum
+    assert timing.choose_iters(5, 0.01, fixed=True) == 5  # the user's --iters is kept
+
+
+def test_a_ratio_below_its_floor_is_marked_as_noise() -> None:
+    below = {"median": 0.93, "min": 0.88, "max": 1.02}
+    above = {"median": 1.04, "min": 0.97, "max": 1.10}
+    assert report._ratio_cell(below, floor=1.0).endswith("(noise: below its 1.00x floor)")
+    assert "noise" not in report._ratio_cell(above, floor=1.0)
+    assert "noise" not in report._ratio_cell(below)  # no floor: a result
+    assert report.STEP_FLOORS["ratio_plain"][step_bench.WITH_LOSS_SCALING] == 1.0
+    assert step_bench.PLAIN not in report.STEP_FLOORS["ratio_plain"]
+    assert step_bench.JMP not in report.STEP_FLOORS["ratio_floor"]  # no global norm in jmp
+
+
+def test_the_report_names_the_cpu_and_its_half_precision_features() -> None:
+    note = report._cpu_note(
+        {"cpu_model": "AMD EPYC", "cpu_features": {"AMX": False, "AVX-512 FP16": False}}
+    )
+    assert note == "CPU: AMD EPYC; AMX: no; AVX-512 FP16: no."
+    features = runner.cpu_features()
+    if features is not None:  # Linux: read from /proc/cpuinfo
+        assert set(features) == set(runner.CPU_FEATURES)
 
 
 @pytest.mark.parametrize("module", [timing, sizes, report, host_bench, step_bench, plots])
