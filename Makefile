@@ -11,7 +11,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-distributed test docs lint typecheck format dist bench bench-large device-check clean
+.PHONY: demo demo-distributed test docs lint typecheck format dist bench bench-full bench-large device-check clean
 
 # The library with its torch extra and the dev tools; torch is pinned (constraints.txt) to the
 # CPU wheel cached on the project's machines.
@@ -54,11 +54,16 @@ dist: $(STAMP)
 	$(PY) -m build --no-isolation --outdir dist .
 	$(VENV)/bin/twine check --strict dist/*
 
+# The quick run (every section, fewer sizes and rounds: about 5 minutes on 2 cores); bench-full
+# gives the documented numbers (docs/performance.md), bench-large adds the L size to them.
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
+bench-full: $(STAMP)
+	$(PY) -m benchmarks --full
+
 bench-large: $(STAMP)
-	$(PY) -m benchmarks --large
+	$(PY) -m benchmarks --full --large
 
 # The device check (device_check/check.py): CUDA when torch sees a GPU, else the CPU. On a
 # machine without the venv: PYTHONPATH=. python -m device_check --device cuda --out DIR
