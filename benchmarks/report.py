@@ -341,6 +341,8 @@ def _ratio_cell(stats: dict[str, Any], floor: float | None = None) -> str:
         >>> from benchmarks.report import _ratio_cell
         >>> _ratio_cell({"median": 0.95, "min": 0.9, "max": 1.1}, floor=1.0)
         '0.950x [0.900, 1.10] (noise: below its 1.00x floor)'
+        >>> _ratio_cell({"median": 0.5, "min": 0.4, "max": 0.6}, floor=1.0)
+        '0.500x [0.400, 0.600] (every round below 1.00x: the reference is not a floor here)'
         >>> _ratio_cell({"median": 1.05, "min": 0.9, "max": 1.1}, floor=1.0)
         '1.05x [0.900, 1.10]'
     """
@@ -348,7 +350,10 @@ def _ratio_cell(stats: dict[str, Any], floor: float | None = None) -> str:
         return "n/a"
     cell = _cell(stats, "x")
     if floor is not None and stats["median"] < floor:
-        cell += f" (noise: below its {floor:.2f}x floor)"
+        if stats["max"] is not None and stats["max"] >= floor:
+            cell += f" (noise: below its {floor:.2f}x floor)"
+        else:  # every round below: the reference does work this variant does not (a fusion)
+            cell += f" (every round below {floor:.2f}x: the reference is not a floor here)"
     return cell
 
 
@@ -405,7 +410,9 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
         "float32 scale (its README's float16 one fails, below). Ratios: median [min, max] "
         "over rounds of the per-round ratio; a variant that does all of a reference's work and "
         "more cannot be faster than it, so a median below 1.00x there is marked as noise, not "
-        "a result. Traces: how often the step was traced (1 = one "
+        "a result (where every round is below, the reference did work that XLA fused away in "
+        "the variant, and is marked as no floor there). Traces: how often the step was traced "
+        "(1 = one "
         f"compilation). Steps per round: {_iters(results, 'step')}.",
         "",
     ]

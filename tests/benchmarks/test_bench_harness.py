@@ -509,6 +509,8 @@ def test_choose_iters_makes_every_round_at_least_the_minimum() -> None:
 
 def test_a_ratio_below_its_floor_is_marked_as_noise() -> None:
     below = {"median": 0.93, "min": 0.88, "max": 1.02}
+    never = {"median": 0.47, "min": 0.33, "max": 0.50}
+    assert report._ratio_cell(never, floor=1.0).endswith("the reference is not a floor here)")
     above = {"median": 1.04, "min": 0.97, "max": 1.10}
     assert report._ratio_cell(below, floor=1.0).endswith("(noise: below its 1.00x floor)")
     assert "noise" not in report._ratio_cell(above, floor=1.0)
