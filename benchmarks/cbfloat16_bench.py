@@ -59,12 +59,13 @@ class _Variant:
     ``reference`` is the row its ratio is taken to."""
 
     def __init__(
-        self, name: str, model: torch.nn.Module, step: Callable[[], None], reference: str
+        self, name: str, model: torch.nn.Module, step: Callable[[], None], compiled: bool
     ) -> None:
         self.name = name
         self.model = model
         self.step = step
-        self.reference = reference
+        self.compiled = compiled
+        self.reference = f"float32, {COMPILED}" if compiled else "float32"
         self.samples: list[float] = []
 
 
@@ -81,14 +82,12 @@ def _variants(seed: int, small: bool, float16_autocast: bool) -> Iterator[list[_
     ) -> _Variant:
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        holder: list[Callable[..., Any]] = []  # the compiled model, made inside the preview
+        call = torch.compile(model) if compiled else model  # compiles at its first call
 
         def step() -> None:
-            if not holder:
-                holder.append(torch.compile(model) if compiled else model)
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                loss = holder[0](input_ids=tokens, labels=tokens).loss
+                loss = call(input_ids=tokens, labels=tokens).loss
             if scaler is None:
                 loss.backward()
                 optimizer.step()
@@ -97,8 +96,7 @@ def _variants(seed: int, small: bool, float16_autocast: bool) -> Iterator[list[_
             scaler.step(optimizer)
             scaler.update()
 
-        reference = f"float32, {COMPILED}" if compiled else "float32"
-        return _Variant(name, model, step, reference)
+        return _Variant(name, model, step, compiled)
 
     def facade() -> Any:
         return cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=INIT_SCALE)
@@ -160,7 +158,7 @@ def run(
         compiled_preview = rows[-1]
         after_warmup = _dynamo_counts()
         for variant in rows:
-            for _ in range(max(1, warmup) if variant.reference != "float32" else warmup):
+            for _ in range(max(1, warmup) if variant.compiled else warmup):
                 variant.step()  # a compiled variant compiles here, before the counts
             if variant is compiled_preview:
                 after_warmup = _dynamo_counts()

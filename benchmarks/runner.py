@@ -349,6 +349,20 @@ def _load() -> list[float] | None:
         return None
 
 
+def _cpuinfo(key: str) -> str | None:
+    """The first non-empty value of ``key`` in ``/proc/cpuinfo``, or ``None`` (no such line, or no
+    ``/proc`` on this platform)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() == key and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``'s first ``model name``; else the platform's word).
 
@@ -356,15 +370,7 @@ def cpu_model() -> str:
         >>> isinstance(cpu_model(), str)
         True
     """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:  # no /proc on this platform
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown"
 
 
 CPU_FEATURES = {
@@ -386,18 +392,11 @@ def cpu_features() -> dict[str, bool] | None:
         >>> features is None or set(features) == set(CPU_FEATURES)
         True
     """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    flags = set(value.split())
-                    return {
-                        name: any(f in flags for f in names) for name, names in CPU_FEATURES.items()
-                    }
-    except OSError:  # no /proc on this platform
-        pass
-    return None
+    flags = _cpuinfo("flags")
+    if flags is None:
+        return None
+    present = set(flags.split())
+    return {name: any(f in present for f in names) for name, names in CPU_FEATURES.items()}
 
 
 THREAD_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "XLA_FLAGS")
