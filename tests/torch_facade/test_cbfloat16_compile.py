@@ -42,6 +42,7 @@ from torch._dynamo.utils import counters
 
 import torch_facade as cstorch
 from hardware import get_format
+from torch_facade.amp import _cbfloat16_kernel
 
 pytest.importorskip("transformers")
 
@@ -128,6 +129,7 @@ def runs() -> dict[str, Run]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes
         torch._dynamo.reset()
+        _cbfloat16_kernel.prepare_fused_rounding()  # the eager kernel's loop: once per process
         counters.clear()
         out["preview compiled"] = _train(base, preview=True, compiled=True)
         out["preview eager"] = _train(base, preview=True, compiled=False)

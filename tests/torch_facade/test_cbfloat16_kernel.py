@@ -12,6 +12,8 @@ of zero and the NaN's bits count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,20 +26,21 @@ from torch_facade.amp._cbfloat16_kernel import (
     _round_with_carrier,
     round_float32,
     round_float32_branch_free,
+    round_float32_on_integers_branch_free,
 )
 
 FORMAT = get_format("cbfloat16")
 RANDOM_PATTERNS = 10**7
 CHUNK = 2**21
-_COMPILED: list = []
+_COMPILED: dict = {}
 
 
-def _compiled_branch_free(x: torch.Tensor) -> torch.Tensor:
-    """The branch-free rounding compiled by inductor, as ``cbfloat16_numerics`` runs it inside
+def _compiled(rounding: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """``rounding`` compiled by inductor, as ``cbfloat16_numerics`` runs it inside
     ``torch.compile`` (compiled once, for every size)."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(round_float32_branch_free, dynamic=True))
-    return _COMPILED[0](x)
+    if rounding not in _COMPILED:
+        _COMPILED[rounding] = torch.compile(rounding, dynamic=True)
+    return _COMPILED[rounding]
 
 
 def _jax_bits(bits: np.ndarray) -> np.ndarray:
@@ -72,13 +75,15 @@ def _assert_same_bits(bits: np.ndarray) -> None:
     # The carrier path alone on every pattern: what a GPU runs on every tensor.
     carried = _round_with_carrier(torch.from_numpy(bits.view(np.float32).copy()))
     _assert_equal_bits(bits, expected, carried.numpy().view(np.uint32), "the carrier path")
-    # The branch-free rounding (what torch.compile traces), eagerly and compiled by inductor.
-    for path, rounding in [
-        ("the branch-free rounding", round_float32_branch_free),
-        ("the compiled branch-free rounding", _compiled_branch_free),
-    ]:
-        got = rounding(torch.from_numpy(bits.view(np.float32).copy())).numpy().view(np.uint32)
-        _assert_equal_bits(bits, expected, got, path)
+    # The branch-free roundings (what torch.compile traces, and the fused path's loop), eagerly
+    # and compiled by inductor.
+    for branch_free in (round_float32_branch_free, round_float32_on_integers_branch_free):
+        for path, rounding in [
+            (branch_free.__name__, branch_free),
+            (f"{branch_free.__name__}, compiled", _compiled(branch_free)),
+        ]:
+            x = torch.from_numpy(bits.view(np.float32).copy())
+            _assert_equal_bits(bits, expected, rounding(x).numpy().view(np.uint32), path)
     taken = _integer_path_takes(bits.view(np.float32))
     if taken.any():
         x = torch.from_numpy(bits[taken].view(np.float32).copy())
@@ -257,9 +262,10 @@ def test_the_overflow_passes_change_no_value_below_two_to_the_31(monkeypatch):
 
 def _large_mixed_tensor() -> torch.Tensor:
     """Random float32 bit patterns (every path's values: subnormal range, overflow, inf, NaN)
-    and ordinary activations, past the fused path's threshold."""
+    and ordinary activations, 2**17 of them (an activation's size; past the fused path's
+    threshold)."""
     rng = np.random.default_rng(5)
-    bits = rng.integers(0, 2**32, _cbfloat16_kernel.FUSED_FROM * 2, dtype=np.uint32)
+    bits = rng.integers(0, 2**32, 2**17, dtype=np.uint32)
     x = torch.from_numpy(bits.view(np.float32).copy())
     x[: x.numel() // 2] = torch.randn(x.numel() // 2)
     return x
@@ -316,10 +322,49 @@ def test_without_a_compiled_loop_the_kernel_keeps_the_integer_path(monkeypatch):
 
 
 def test_a_compiled_loop_that_rounds_wrongly_is_not_used(monkeypatch):
-    """The compiled loop is checked against the integer path on a probe before it is used."""
+    """The compiled loop is checked against the carrier path on a probe before it is used."""
     _forget_the_fused_rounding(monkeypatch)
     monkeypatch.setattr(_cbfloat16_kernel, "round_float32_branch_free", lambda x: x * 1.0)
     assert _cbfloat16_kernel._fused_rounding() is None
     x = _large_mixed_tensor()
     got = round_float32(x).numpy().view(np.uint32)
     _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "after a wrong loop")
+
+
+def test_the_fused_loop_takes_every_size_and_shape_and_returns_a_tensor_of_its_own():
+    """Called directly (without dynamo's guards), the compiled loop must handle every size
+    (vector tails included), every contiguous shape, offsets into a storage and inference
+    tensors, and return a new tensor that is not a view (so it may be changed in place)."""
+    assert _cbfloat16_kernel.prepare_fused_rounding()
+    values = _large_mixed_tensor()
+    for size in [*range(1, 70), 255, 4097]:
+        x = values[1 : size + 1]  # an offset into the storage
+        got = round_float32(x)
+        assert got.shape == x.shape and got._base is None
+        _assert_equal_bits(
+            x.numpy().view(np.uint32), _hardware_bits(x), got.numpy().view(np.uint32),
+            f"size {size}",
+        )  # fmt: skip
+    block = values[: 6 * 7 * 11].view(6, 7, 11)
+    got = round_float32(block)
+    assert got.shape == (6, 7, 11)
+    assert torch.equal(
+        got.flatten().view(torch.int32), round_float32(block.flatten()).view(torch.int32)
+    )
+    with torch.inference_mode():
+        inference = values[:1000].clone()
+        got = round_float32(inference)
+    expected = round_float32(values[:1000])
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    expected.mul_(2.0)  # its own storage: the input is untouched
+    assert torch.equal(inference, values[:1000])
+
+
+def test_under_inductors_unsafe_math_the_traced_rounding_is_the_integer_one(monkeypatch):
+    """With the C++ compiler free to reassociate additions, ``(a + c) - c`` may fold into
+    ``a``: the rounding traced into compiled graphs is then the integer one."""
+    import torch._inductor.config as inductor_config
+
+    assert _cbfloat16_kernel.traceable_rounding() is round_float32_branch_free
+    monkeypatch.setattr(inductor_config.cpp, "enable_unsafe_math_opt_flag", True)
+    assert _cbfloat16_kernel.traceable_rounding() is round_float32_on_integers_branch_free

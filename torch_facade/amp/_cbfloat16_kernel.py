@@ -13,17 +13,22 @@ bit: every cbfloat16 code, every rounding tie, float32 subnormals, infs and NaNs
 float32 bit patterns (10**7 in all). ``hardware`` stays the specification; a change of the
 format is made there and this kernel follows the test.
 
-On the CPU, a contiguous tensor of ``FUSED_FROM`` (2**16) elements or more takes the fused path,
-smaller and strided tensors the integer path, and the few the integer path refuses, like every
-tensor on other devices, the carrier path. All give the same bits.
+On the CPU, a contiguous tensor of ``FUSED_FROM`` (2) elements or more takes the fused path,
+strided ones (and every tensor where the fused path cannot be compiled) the integer path, and
+the few the integer path refuses, like every tensor on other devices, the carrier path. All give
+the same bits.
 
-**The fused path** (CPU, large contiguous tensors): :func:`round_float32_branch_free`, compiled
-once per process by inductor (``torch.compile``, a dynamic size) into one loop that reads the
-tensor once and writes the result once; the integer path makes eight passes. It is what most of
-the preview's time went to: about 28 ms of a 175 ms iteration of a 4-layer GPT-2 on a 2-core
-AMD EPYC. The first call compiles it (seconds; inductor's cache on disk shortens it in later
-processes) and checks it against the integer path on a probe; where it cannot be compiled (no
-C++ compiler, say) or ``CSTORCH_CBFLOAT16_FUSED=0`` is set, the integer path stays.
+**The fused path** (CPU, contiguous tensors): :func:`round_float32_branch_free` (the carrier
+path's arithmetic without its reads), compiled once per process by inductor (``torch.compile``,
+a dynamic size) into one loop that reads the tensor once and writes the result once; the
+integer path makes eight passes and a reduction that waits for its result. The loop is then
+called directly, without dynamo's guards (it is always called with the inputs they check), which
+makes a call cost about 4 us instead of 15. Rounding is what most of the preview's time went to
+(about 28 ms of a 175 ms iteration of a 4-layer GPT-2 on a 2-core AMD EPYC with the integer
+path; about 12 ms with this one). ``cbfloat16_numerics`` compiles it on entry (seconds;
+inductor's cache on disk shortens it in later processes) and checks it against the carrier path
+on a probe; where it cannot be compiled (no C++ compiler, say) or ``CSTORCH_CBFLOAT16_FUSED=0``
+is set, the integer path stays.
 
 **The integer path** (CPU). Rounding to nearest even at bit 14 of the float32 encoding is
 ``(b + 0x1FFF + ((b >> 14) & 1)) & ~0x3FFF`` on the bits ``b``: five in-place passes over one
@@ -61,11 +66,19 @@ with no read.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
-__all__ = ["round_float32", "round_float32_branch_free"]
+__all__ = [
+    "prepare_fused_rounding",
+    "round_float32",
+    "round_float32_branch_free",
+    "round_float32_on_integers_branch_free",
+    "traceable_rounding",
+]
 
 _ABS = 0x7FFFFFFF
 _SIGN = -0x80000000  # 0x80000000 as an int32
@@ -87,6 +100,7 @@ def _field(exponent: int) -> int:
 _LOWEST_FIELD = _field(_LOWEST_EXPONENT)
 _HIGHEST_FIELD = _field(_HIGHEST_EXPONENT)
 _CARRIER = 2.0**_DROPPED_BITS  # the carrier is 2**e (the clamped exponent bits) times this
+_CARRIER_FIELD = _DROPPED_BITS << _MANTISSA_SHIFT  # times 2**14, as an addition to the bits
 _MAY_OVERFLOW_FIELD = _field(_HIGHEST_EXPONENT - 1)  # below 2**31 nothing rounds to 2**32
 _SHIFT_EXACT_FROM = _LOWEST_FIELD  # 2**-30: from here up cbfloat16's quantum is 2**14 ulps
 _ROUND_BIT = 1 << _DROPPED_BITS
@@ -110,21 +124,21 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
     """
     if x.device.type == "cpu" and x.numel() > 0:
-        if x.numel() >= FUSED_FROM and x.is_contiguous() and not x.is_inference():
+        if x.numel() >= FUSED_FROM and x.is_contiguous():
             fused = _fused_rounding()
             if fused is not None:
-                with torch.no_grad():  # one graph: no guard on the grad mode
-                    return fused(x.detach().view(-1)).view(x.shape)
+                return fused(x)
         rounded = _round_on_integers(x)
         if rounded is not None:
             return rounded
     return _round_with_carrier(x)
 
 
-FUSED_FROM = 1 << 16
-"""Elements from which a contiguous CPU tensor takes the fused path: below it, calling the
-compiled loop costs more than the integer path's passes over the tensor (measured: 20 us against
-15 us at 64 elements; 54 us against 79 us at 2**18)."""
+FUSED_FROM = 2
+"""Elements from which a contiguous CPU tensor takes the fused path (``torch.compile`` with a
+dynamic size specialises sizes 0 and 1). Called directly, the compiled loop costs about 4 us at
+256 elements against the integer path's 15 us, and 20 us against 89 us at 2**18 (2-core AMD
+EPYC)."""
 
 _FUSED: list[Callable[[torch.Tensor], torch.Tensor] | None] = []
 """The fused rounding once tried: ``[function]``, or ``[None]`` where it cannot be compiled."""
@@ -136,25 +150,91 @@ def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
     compiled here (no C++ compiler, an unsupported platform, ``TORCHDYNAMO_DISABLE``, or
     ``CSTORCH_CBFLOAT16_FUSED=0``). Compiled once per process for every size (a dynamic size, one
     dimension); inductor's cache on disk makes the compilation of later processes short. A
-    compiled loop that does not give the integer path's bits on a probe is not used."""
+    compiled loop that does not give the carrier path's bits on a probe is not used."""
     if _FUSED:
         return _FUSED[0]
     fused: Callable[[torch.Tensor], torch.Tensor] | None = None
     if os.environ.get("CSTORCH_CBFLOAT16_FUSED", "1") != "0":
         try:
-            candidate = torch.compile(round_float32_branch_free, dynamic=True, fullgraph=True)
-            probe = torch.linspace(-3.0, 3.0, FUSED_FROM) * 2.0**-7
-            with torch.no_grad():
-                result = candidate(probe)
-            expected = _round_on_integers(probe)
-            if expected is not None and torch.equal(
-                result.view(torch.int32), expected.view(torch.int32)
-            ):
+            candidate = _compile_loop(round_float32_branch_free)
+            if _rounds_the_probe(candidate):
                 fused = candidate
         except Exception:  # any failure to compile leaves the integer path
             fused = None
     _FUSED.append(fused)
     return fused
+
+
+def prepare_fused_rounding() -> bool:
+    """Compiles the fused CPU rounding now (once per process; a no-op after), rather than at
+    the first rounding of a large enough tensor; returns whether it is in use.
+
+    Example:
+        >>> from torch_facade.amp import _cbfloat16_kernel
+        >>> isinstance(_cbfloat16_kernel.prepare_fused_rounding(), bool)
+        True
+    """
+    return _fused_rounding() is not None
+
+
+def _compile_loop(
+    rounding: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``rounding`` compiled by inductor for one-dimensional float32 tensors of any size, as a
+    function of a contiguous tensor of any shape.
+
+    Dynamo traces it once (a dynamic size) and hands inductor the graph; the loop inductor
+    returns is then called directly, without dynamo's guards and wrappers (about 11 us of a
+    call's 15). That is sound because every call passes what the guards check: a detached,
+    contiguous float32 CPU tensor of one dimension with at least ``FUSED_FROM`` elements, and
+    its size. Where the graph's inputs are not that pair, the dynamo-wrapped function is used.
+    """
+    import torch._inductor
+
+    captured: list[tuple[Callable[..., list[torch.Tensor]], list[object]]] = []
+
+    def keep(graph: torch.fx.GraphModule, example_inputs: list[object]) -> Callable[..., Any]:
+        loop = torch._inductor.compile(graph, example_inputs)  # type: ignore[arg-type]
+        captured.append((loop, example_inputs))
+        return loop
+
+    traced = torch.compile(rounding, dynamic=True, fullgraph=True, backend=keep)
+    with torch.no_grad():  # no guard on the grad mode
+        traced(torch.zeros(FUSED_FROM + 15))
+    sized = [isinstance(value, torch.SymInt) for value in captured[0][1]] if captured else []
+    if len(captured) != 1 or sorted(sized) != [False, True]:
+
+        def through_dynamo(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return cast(torch.Tensor, traced(x.detach().view(-1))).resize_(x.shape)
+
+        return through_dynamo
+    loop, size_first = captured[0][0], sized[0]
+
+    def direct(x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().view(-1)
+        with torch.no_grad():
+            out = loop(x.numel(), flat) if size_first else loop(flat, x.numel())
+        # resize_, not view: a view made inside an autograd Function may not be changed in
+        # place later (a module's output multiplied in place, say), and the result is new.
+        return out[0].resize_(x.shape)
+
+    return direct
+
+
+def _rounds_the_probe(loop: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``loop`` gives the carrier path's bits on ordinary values, every special one and
+    two sizes (one not a multiple of any vector width)."""
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2.0**31, 2.0**32 - 2.0**8,
+         -(2.0**32), 3e38, 2.0**-40, 3 * 2.0**-40, -(2.0**-149), 1 + 2.0**-10, 1 + 3 * 2.0**-10]
+    )  # fmt: skip
+    ordinary = torch.linspace(-3.0, 3.0, 4099) * 2.0**-7
+    for probe in (torch.cat([ordinary, specials]), specials[:3]):
+        expected = _round_with_carrier(probe).view(torch.int32)
+        if not torch.equal(loop(probe).view(torch.int32), expected):
+            return False
+    return True
 
 
 def _round_on_integers(x: torch.Tensor) -> torch.Tensor | None:
@@ -202,8 +282,15 @@ def _may_overflow(power_bits: torch.Tensor) -> bool:
 
 def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     """:func:`round_float32` with no decision on values: the rounding that ``torch.compile``
-    traces (see the module's docstring). Every step is element-wise, so inductor fuses them into
-    one loop, and into the kernel that produced ``x``.
+    traces, and the fused path's loop (see the module's docstring). Every step is element-wise,
+    so inductor fuses them into one loop, and into the kernel that produced ``x``.
+
+    It is the carrier path without its reads: IEEE float32 addition of the carrier rounds each
+    magnitude to its quantum (twelve element-wise operations, with the bit views free). It needs
+    IEEE addition as written, which inductor keeps unless its unsafe-math flag is on
+    (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``, which lets the C++ compiler fold
+    ``(a + c) - c`` into ``a``); :func:`traceable_rounding` then picks
+    :func:`round_float32_on_integers_branch_free`.
 
     Bit-identical to ``hardware.get_format("cbfloat16").round`` on every float32 input, as
     :func:`round_float32` is.
@@ -220,6 +307,33 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     """
     bits = x.view(torch.int32)
     magnitude = bits & _ABS
+    # The carrier 2**e * 2**14 (e: the exponent of |x| clamped to [-30, 32]), made on the bits.
+    power_bits = (magnitude & _EXPONENT).clamp(_LOWEST_FIELD, _HIGHEST_FIELD)
+    carrier = (power_bits + _CARRIER_FIELD).view(torch.float32)
+    rounded = ((magnitude.view(torch.float32) + carrier) - carrier).view(torch.int32)
+    rounded = torch.where(rounded >= _HIGHEST_FIELD, _INF, rounded)  # 2**32 and up: inf
+    rounded = torch.where(magnitude > _INF, _QUIET_NAN, rounded)
+    return (rounded | (bits & _SIGN)).view(torch.float32)
+
+
+def round_float32_on_integers_branch_free(x: torch.Tensor) -> torch.Tensor:
+    """:func:`round_float32_branch_free` with integer rounding, for inductor's unsafe math: the
+    integer path's rounding on every magnitude from ``2**-30`` up, and the quantum ``2**-39``
+    below it by products and ``round()``, which no reassociation of additions can change.
+    Slower (about nineteen operations an element); bit-identical.
+
+    Args:
+        x: a float32 tensor.
+
+    Example:
+        >>> import torch
+        >>> from torch_facade.amp._cbfloat16_kernel import round_float32_on_integers_branch_free
+        >>> x = torch.tensor([1 + 2**-10, 65504.0, 2.0**-39, 2.0**-40, -1e10, float("nan")])
+        >>> round_float32_on_integers_branch_free(x).tolist()
+        [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
+    """
+    bits = x.view(torch.int32)
+    magnitude = bits & _ABS
     # The integer path's rounding, on magnitudes clamped at inf's (no int32 overflow for NaNs).
     clamped = magnitude.clamp(max=_INF)
     nearest = (clamped + ((clamped >> _DROPPED_BITS) & 1) + (_ROUND_BIT // 2 - 1)) & _KEPT_BITS
@@ -229,3 +343,22 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     rounded = torch.where(rounded >= _HIGHEST_FIELD, _INF, rounded)  # 2**32 and up: inf
     rounded = torch.where(magnitude > _INF, _QUIET_NAN, rounded)
     return (rounded | (bits & _SIGN)).view(torch.float32)
+
+
+def traceable_rounding() -> Callable[[torch.Tensor], torch.Tensor]:
+    """The branch-free rounding to trace into ``torch.compile`` graphs: the carrier one, or the
+    integer one where inductor's C++ unsafe-math flag is on (its configuration if imported,
+    else the environment variable that sets it). Called eagerly (``cbfloat16_numerics`` asks
+    on entry): dynamo would not trace the reads.
+
+    Example:
+        >>> from torch_facade.amp import _cbfloat16_kernel
+        >>> _cbfloat16_kernel.traceable_rounding().__name__
+        'round_float32_branch_free'
+    """
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        unsafe = bool(inductor_config.cpp.enable_unsafe_math_opt_flag)
+    else:
+        unsafe = os.environ.get("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "0") == "1"
+    return round_float32_on_integers_branch_free if unsafe else round_float32_branch_free

@@ -45,7 +45,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -93,10 +93,17 @@ class _RoundToCbfloat16(torch.autograd.Function):
         return grad_output.to(ctx.input_dtype)
 
 
+_TRACED_ROUNDING: list[Callable[[torch.Tensor], torch.Tensor]] = [
+    _cbfloat16_kernel.round_float32_branch_free
+]
+"""The branch-free rounding :func:`_traced_values` traces: chosen on each entry of
+:func:`cbfloat16_numerics` (``_cbfloat16_kernel.traceable_rounding``), eagerly."""
+
+
 def _traced_values(tensor: torch.Tensor) -> torch.Tensor:
     """The rounded values of ``tensor`` for ``torch.compile``: the branch-free rounding, traced
     as element-wise torch operations (dtype as :func:`round_to_cbfloat16`'s)."""
-    rounded = _cbfloat16_kernel.round_float32_branch_free(tensor.to(torch.float32))
+    rounded = _TRACED_ROUNDING[0](tensor.to(torch.float32))
     return rounded.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
@@ -369,6 +376,11 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     hooked = _model_modules(module)
     targets = _parametrized_tensors(hooked)
     _check_dtypes(targets)
+    _TRACED_ROUNDING[0] = _cbfloat16_kernel.traceable_rounding()
+    if any(getattr(owner, name).device.type == "cpu" for owner, name in targets):
+        # The fused CPU rounding is compiled here, once per process, not inside a first
+        # iteration: dynamo reads parametrized weights eagerly while it traces a compiled model.
+        _cbfloat16_kernel.prepare_fused_rounding()
     with contextlib.ExitStack() as undo:
         handle = module.register_forward_pre_hook(_round_inputs_hook, with_kwargs=True)
         undo.callback(handle.remove)
