@@ -360,11 +360,25 @@ def test_the_fused_loop_takes_every_size_and_shape_and_returns_a_tensor_of_its_o
     assert torch.equal(inference, values[:1000])
 
 
-def test_under_inductors_unsafe_math_the_traced_rounding_is_the_integer_one(monkeypatch):
+def test_under_inductors_unsafe_math_the_traced_rounding_is_the_integer_one():
     """With the C++ compiler free to reassociate additions, ``(a + c) - c`` may fold into
     ``a``: the rounding traced into compiled graphs is then the integer one."""
     import torch._inductor.config as inductor_config
 
     assert _cbfloat16_kernel.traceable_rounding() is round_float32_branch_free
-    monkeypatch.setattr(inductor_config.cpp, "enable_unsafe_math_opt_flag", True)
-    assert _cbfloat16_kernel.traceable_rounding() is round_float32_on_integers_branch_free
+    with inductor_config.patch({"cpp.enable_unsafe_math_opt_flag": True}):
+        assert _cbfloat16_kernel.traceable_rounding() is round_float32_on_integers_branch_free
+    assert _cbfloat16_kernel.traceable_rounding() is round_float32_branch_free
+
+
+def test_the_fused_loop_is_its_own_whatever_else_compiled_the_rounding(monkeypatch):
+    """Dynamo keeps compiled code per code object: the fused loop traces a copy of the rounding
+    with its own, so that compiling the rounding elsewhere in the process (as torch.compile'd
+    models inside cbfloat16_numerics do) neither answers for it nor exhausts its recompiles."""
+    for _ in range(10):  # past dynamo's recompile limit (8) if they shared one code object
+        torch.compile(round_float32_branch_free, dynamic=True)(torch.ones(5))
+        _forget_the_fused_rounding(monkeypatch)
+        assert _cbfloat16_kernel.prepare_fused_rounding()
+    x = _large_mixed_tensor()
+    got = round_float32(x).numpy().view(np.uint32)
+    _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "fused, recompiled")

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -156,9 +157,9 @@ def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
     fused: Callable[[torch.Tensor], torch.Tensor] | None = None
     if os.environ.get("CSTORCH_CBFLOAT16_FUSED", "1") != "0":
         try:
-            candidate = _compile_loop(round_float32_branch_free)
-            if _rounds_the_probe(candidate):
-                fused = candidate
+            fused = _compile_loop(round_float32_branch_free)
+            if fused is not None and not _rounds_the_probe(fused):
+                fused = None
         except Exception:  # any failure to compile leaves the integer path
             fused = None
     _FUSED.append(fused)
@@ -179,15 +180,18 @@ def prepare_fused_rounding() -> bool:
 
 def _compile_loop(
     rounding: Callable[[torch.Tensor], torch.Tensor],
-) -> Callable[[torch.Tensor], torch.Tensor]:
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``rounding`` compiled by inductor for one-dimensional float32 tensors of any size, as a
-    function of a contiguous tensor of any shape.
+    function of a contiguous tensor of any shape; ``None`` if inductor is not handed the graph
+    expected.
 
     Dynamo traces it once (a dynamic size) and hands inductor the graph; the loop inductor
     returns is then called directly, without dynamo's guards and wrappers (about 11 us of a
     call's 15). That is sound because every call passes what the guards check: a detached,
     contiguous float32 CPU tensor of one dimension with at least ``FUSED_FROM`` elements, and
-    its size. Where the graph's inputs are not that pair, the dynamo-wrapped function is used.
+    its size. Dynamo keeps what it compiled with each code object, so the function traced is a
+    copy of ``rounding`` with a code object of its own: another ``torch.compile`` of
+    ``rounding`` in the process neither answers for it nor counts against its recompile limit.
     """
     import torch._inductor
 
@@ -198,17 +202,14 @@ def _compile_loop(
         captured.append((loop, example_inputs))
         return loop
 
-    traced = torch.compile(rounding, dynamic=True, fullgraph=True, backend=keep)
+    code = cast(types.FunctionType, rounding)
+    copy = types.FunctionType(code.__code__.replace(), code.__globals__, code.__name__)
+    traced = torch.compile(copy, dynamic=True, fullgraph=True, backend=keep)
     with torch.no_grad():  # no guard on the grad mode
         traced(torch.zeros(FUSED_FROM + 15))
     sized = [isinstance(value, torch.SymInt) for value in captured[0][1]] if captured else []
     if len(captured) != 1 or sorted(sized) != [False, True]:
-
-        def through_dynamo(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return cast(torch.Tensor, traced(x.detach().view(-1))).resize_(x.shape)
-
-        return through_dynamo
+        return None
     loop, size_first = captured[0][0], sized[0]
 
     def direct(x: torch.Tensor) -> torch.Tensor:
@@ -286,8 +287,9 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     so inductor fuses them into one loop, and into the kernel that produced ``x``.
 
     It is the carrier path without its reads: IEEE float32 addition of the carrier rounds each
-    magnitude to its quantum (twelve element-wise operations, with the bit views free). It needs
-    IEEE addition as written, which inductor keeps unless its unsafe-math flag is on
+    magnitude to its quantum, two products send what reached ``2**32`` to inf, and a clamp of
+    the bits gives NaNs the quiet NaN's (eleven element-wise operations and no select; the bit
+    views are free). It needs IEEE arithmetic as written, which inductor keeps unless its unsafe-math flag is on
     (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``, which lets the C++ compiler fold
     ``(a + c) - c`` into ``a``); :func:`traceable_rounding` then picks
     :func:`round_float32_on_integers_branch_free`.
@@ -310,10 +312,12 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     # The carrier 2**e * 2**14 (e: the exponent of |x| clamped to [-30, 32]), made on the bits.
     power_bits = (magnitude & _EXPONENT).clamp(_LOWEST_FIELD, _HIGHEST_FIELD)
     carrier = (power_bits + _CARRIER_FIELD).view(torch.float32)
-    rounded = ((magnitude.view(torch.float32) + carrier) - carrier).view(torch.int32)
-    rounded = torch.where(rounded >= _HIGHEST_FIELD, _INF, rounded)  # 2**32 and up: inf
-    rounded = torch.where(magnitude > _INF, _QUIET_NAN, rounded)
-    return (rounded | (bits & _SIGN)).view(torch.float32)
+    rounded = (magnitude.view(torch.float32) + carrier) - carrier
+    # 2**32 and up: inf; the rest unchanged (_OVERFLOW written out: dynamo makes a float read
+    # from a module's globals an input of a dynamic graph, and a literal a constant).
+    rounded = rounded * 2.0**96 * 2.0**-96
+    # A NaN's bits: clamped at the quiet NaN's (steps 3 and 4 of the carrier path), no select.
+    return (rounded.view(torch.int32).clamp(max=_QUIET_NAN) | (bits & _SIGN)).view(torch.float32)
 
 
 def round_float32_on_integers_branch_free(x: torch.Tensor) -> torch.Tensor:
