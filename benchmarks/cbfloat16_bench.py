@@ -32,8 +32,11 @@ from typing import Any
 import torch
 
 ROUNDS = 5
-ITERS = 3
-WARMUP = 2
+ITERS = 6
+WARMUP = 5
+"""Untimed iterations per variant first: the preview's first iterations also grow the process's
+heap (glibc returns memory and faults it back in for several iterations), which a median over
+few rounds would otherwise keep."""
 INIT_SCALE = 2.0**16  # no overflow at this size: every timed step is applied
 COMPILED = "torch.compile"
 
