@@ -382,3 +382,17 @@ def test_the_fused_loop_is_its_own_whatever_else_compiled_the_rounding(monkeypat
     x = _large_mixed_tensor()
     got = round_float32(x).numpy().view(np.uint32)
     _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "fused, recompiled")
+
+
+def test_entering_cbfloat16_numerics_compiles_the_loop_before_any_forward(monkeypatch):
+    """Compiled on entry (not inside a first iteration, where dynamo may be tracing a compiled
+    model that reads its parametrized weights), and only once per process."""
+    import torch_facade as cstorch
+
+    _forget_the_fused_rounding(monkeypatch)
+    model = torch.nn.Linear(3, 2)
+    with cstorch.amp.cbfloat16_numerics(model):
+        assert len(_cbfloat16_kernel._FUSED) == 1 and _cbfloat16_kernel._FUSED[0] is not None
+        fused = _cbfloat16_kernel._FUSED[0]
+    with cstorch.amp.cbfloat16_numerics(model):
+        assert _cbfloat16_kernel._FUSED == [fused]

@@ -25,7 +25,7 @@ integer path makes eight passes and a reduction that waits for its result. The l
 called directly, without dynamo's guards (it is always called with the inputs they check), which
 makes a call cost about 4 us instead of 15. Rounding is what most of the preview's time went to
 (about 28 ms of a 175 ms iteration of a 4-layer GPT-2 on a 2-core AMD EPYC with the integer
-path; about 12 ms with this one). ``cbfloat16_numerics`` compiles it on entry (seconds;
+path; about 10 ms with this one). ``cbfloat16_numerics`` compiles it on entry (seconds;
 inductor's cache on disk shortens it in later processes) and checks it against the carrier path
 on a probe; where it cannot be compiled (no C++ compiler, say) or ``CSTORCH_CBFLOAT16_FUSED=0``
 is set, the integer path stays.
