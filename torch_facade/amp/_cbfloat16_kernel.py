@@ -168,7 +168,7 @@ def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 def prepare_fused_rounding() -> bool:
     """Compiles the fused CPU rounding now (once per process; a no-op after), rather than at
-    the first rounding of a large enough tensor; returns whether it is in use.
+    the first rounding of a contiguous CPU tensor; returns whether it is in use.
 
     Example:
         >>> from torch_facade.amp import _cbfloat16_kernel
@@ -202,8 +202,8 @@ def _compile_loop(
         captured.append((loop, example_inputs))
         return loop
 
-    code = cast(types.FunctionType, rounding)
-    copy = types.FunctionType(code.__code__.replace(), code.__globals__, code.__name__)
+    function = cast(types.FunctionType, rounding)
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
     traced = torch.compile(copy, dynamic=True, fullgraph=True, backend=keep)
     with torch.no_grad():  # no guard on the grad mode
         traced(torch.zeros(FUSED_FROM + 15))
@@ -289,9 +289,9 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     It is the carrier path without its reads: IEEE float32 addition of the carrier rounds each
     magnitude to its quantum, two products send what reached ``2**32`` to inf, and a clamp of
     the bits gives NaNs the quiet NaN's (eleven element-wise operations and no select; the bit
-    views are free). It needs IEEE arithmetic as written, which inductor keeps unless its unsafe-math flag is on
-    (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``, which lets the C++ compiler fold
-    ``(a + c) - c`` into ``a``); :func:`traceable_rounding` then picks
+    views are free). It needs IEEE arithmetic as written, which inductor keeps unless its
+    unsafe-math flag is on (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``, which lets the
+    C++ compiler fold ``(a + c) - c`` into ``a``); :func:`traceable_rounding` then picks
     :func:`round_float32_on_integers_branch_free`.
 
     Bit-identical to ``hardware.get_format("cbfloat16").round`` on every float32 input, as
