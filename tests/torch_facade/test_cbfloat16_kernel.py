@@ -396,3 +396,25 @@ def test_entering_cbfloat16_numerics_compiles_the_loop_before_any_forward(monkey
         fused = _cbfloat16_kernel._FUSED[0]
     with cstorch.amp.cbfloat16_numerics(model):
         assert _cbfloat16_kernel._FUSED == [fused]
+
+
+def test_an_inductor_cache_folder_others_may_write_keeps_the_uncompiled_paths(
+    monkeypatch, tmp_path
+):
+    """Inductor loads the compiled loop from its cache folder, and loading runs it: a folder
+    its group or others may write (or someone else's) is not used, with a warning that names it
+    and the fix, and the rounding keeps its bits on the uncompiled paths."""
+    folder = tmp_path / "torchinductor_shared"
+    folder.mkdir()
+    folder.chmod(0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    _forget_the_fused_rounding(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=r"may be written by its group or by others") as caught:
+        assert not _cbfloat16_kernel.prepare_fused_rounding()
+    assert str(folder) in str(caught[0].message) and "chmod -R go-w" in str(caught[0].message)
+    assert not any(folder.iterdir()), "inductor wrote into the untrusted folder"
+    x = _large_mixed_tensor()
+    got = round_float32(x).numpy().view(np.uint32)
+    _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "untrusted cache")
+    folder.chmod(0o700)  # the user's own: trusted (the check only; no compilation here)
+    assert _cbfloat16_kernel._inductor_cache_is_trusted()

@@ -68,10 +68,14 @@ from __future__ import annotations
 import os
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+
+from torch_facade.amp import _caller
+from torch_facade.amp._trusted_folder import owner_and_mode_problem
 
 __all__ = [
     "prepare_fused_rounding",
@@ -155,7 +159,7 @@ def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
     if _FUSED:
         return _FUSED[0]
     fused: Callable[[torch.Tensor], torch.Tensor] | None = None
-    if os.environ.get("CSTORCH_CBFLOAT16_FUSED", "1") != "0":
+    if os.environ.get("CSTORCH_CBFLOAT16_FUSED", "1") != "0" and _inductor_cache_is_trusted():
         try:
             fused = _compile_loop(round_float32_branch_free)
             if fused is not None and not _rounds_the_probe(fused):
@@ -164,6 +168,41 @@ def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
             fused = None
     _FUSED.append(fused)
     return fused
+
+
+def _inductor_cache_is_trusted() -> bool:
+    """Whether inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, by default
+    ``torchinductor_<user>`` in the temporary folder) can only have been written by this user or
+    root: inductor loads the compiled loop from there, and loading it runs it. A folder others
+    may write, or one that belongs to someone else (a ``/tmp/torchinductor_<you>`` made by
+    another user of the machine, say), keeps the uncompiled paths, with a warning; so does a
+    platform that cannot say who owns a folder. A folder not made yet is inductor's to make, as
+    this user. The check is of the folder itself, before inductor uses it."""
+    problem: tuple[str, str] | None
+    if not hasattr(os, "geteuid"):
+        problem = ("this platform cannot say who owns it", "none here")
+        path = "inductor's cache folder"
+    else:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        path = os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+        try:
+            info = os.stat(path)
+        except OSError:  # absent (inductor makes it, as this user) or unreadable (it fails)
+            return True
+        problem = owner_and_mode_problem(info, "the folder", path)
+    if problem is None:
+        return True
+    warnings.warn(
+        f"cbfloat16_numerics rounds without its compiled loop in this run (the same bits, "
+        f"slower): inductor would compile and load it from {path}, and {problem[0]}. Loading "
+        f"compiled code runs it, so the folder must belong to you (or root) and no one else "
+        f"may write it. To fix it: {problem[1]}; or set TORCHINDUCTOR_CACHE_DIR to a folder of "
+        f"your own; CSTORCH_CBFLOAT16_FUSED=0 turns the loop off without this warning.",
+        RuntimeWarning,
+        stacklevel=_caller.stacklevel(),
+    )
+    return False
 
 
 def prepare_fused_rounding() -> bool:

@@ -58,6 +58,7 @@ from typing import Any
 import jax
 
 from torch_facade.amp import _caller
+from torch_facade.amp._trusted_folder import owner_and_mode_problem
 
 __all__ = ["ENV_VAR", "PersistentCore", "cache_dir", "persistent"]
 
@@ -283,18 +284,9 @@ def _distrust(directory: Path, untrusted: _Untrusted) -> None:
 def _check_owner_and_mode(info: os.stat_result, what: str, directory: Path) -> None:
     """Raises :class:`_Untrusted` unless ``info`` belongs to this process's user or to root and
     neither its group nor others may write it."""
-    user = os.geteuid()
-    if info.st_uid not in (user, 0):
-        raise _Untrusted(
-            f"{what} belongs to user id {info.st_uid}, not to this process's user ({user})",
-            f"remove {directory} or make it yours (chown -R {user} {directory})",
-        )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise _Untrusted(
-            f"{what} may be written by its group or by others (mode "
-            f"{stat.S_IMODE(info.st_mode):o})",
-            f"chmod -R go-w {directory}",
-        )
+    problem = owner_and_mode_problem(info, what, str(directory))
+    if problem is not None:
+        raise _Untrusted(*problem)
 
 
 def _open_folder(directory: Path) -> int | None:
