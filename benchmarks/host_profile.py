@@ -140,7 +140,9 @@ def stage_timers(
     """
     from unittest import mock
 
-    from benchmarks.internals import bridge as _bridge
+    from benchmarks.internals import carry as _carry
+    from benchmarks.internals import cores as _cores
+    from benchmarks.internals import dlpack as _dlpack
     from benchmarks.internals import gradients as _gradients
 
     samples: dict[str, list[float]] = {stage: [] for stage in STAGES}
@@ -158,7 +160,7 @@ def stage_timers(
 
         return wrapper
 
-    local_core = _bridge.local_core
+    local_core = _cores.local_core
 
     def core_of(*args: Any) -> Any:
         core = local_core(*args)
@@ -176,14 +178,14 @@ def stage_timers(
 
     patches = [
         mock.patch.object(_gradients.Reader, "read", timed("read", _gradients.Reader.read)),
-        mock.patch.object(_bridge, "import_tensors", timed("import", _bridge.import_tensors)),
-        mock.patch.object(_bridge, "exported_carry", timed("export", _bridge.exported_carry)),
+        mock.patch.object(_dlpack, "import_tensors", timed("import", _dlpack.import_tensors)),
+        mock.patch.object(_carry, "exported_carry", timed("export", _carry.exported_carry)),
         mock.patch.object(_gradients, "multiply_", timed("multiply", _gradients.multiply_)),
         # the gradients the decision just read (one optimizer holding them all)
         mock.patch.object(
             _gradients, "multiply_read_", timed("multiply", _gradients.multiply_read_)
         ),
-        mock.patch.object(_bridge, "local_core", core_of),
+        mock.patch.object(_cores, "local_core", core_of),
     ]
     for patch in patches:
         patch.start()

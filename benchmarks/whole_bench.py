@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 import torch_facade as cstorch
-from benchmarks.internals import bridge as _bridge
+from benchmarks.internals import dlpack as _dlpack
 from benchmarks.internals import gradients as _gradients
 from benchmarks.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
@@ -227,7 +227,7 @@ class TrainLoop:
         self.loss().backward()
         start = time.perf_counter()
         grads = [p.grad for p in self.params if p.grad is not None]
-        _sum_of_squares(_bridge.import_tensors(grads)).block_until_ready()
+        _sum_of_squares(_dlpack.import_tensors(grads)).block_until_ready()
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
             self.optimizer.grad_scale = self._one  # type: ignore[attr-defined]
             self.optimizer.found_inf = self._zero  # type: ignore[attr-defined]

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from benchmarks import host_profile, runner, whole_bench
-from benchmarks.internals import bridge as _bridge
 from benchmarks.internals import crossing_cuda as _crossing_cuda
+from benchmarks.internals import dlpack as _dlpack
 from benchmarks.sizes import SIZES
 from benchmarks.timing import CompileCounter, Plan
 
@@ -128,7 +128,9 @@ def memory(device: torch.device, seed: int = 0) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "jax_initialized_before_first_decision": checkpoints[2]["jax_backends_initialized"],
         "scale_device": str(loop.facade.get_scale().device),
-        "crossing": _bridge.crossing_for(loop.facade._placed_for or torch.device(device)).name,
+        "crossing": _dlpack.crossing_for(
+            loop.facade._engine.placed_for or torch.device(device)
+        ).name,
         "cuda_crossing_failure": _crossing_cuda.last_failure,
         "xla_env_before": env_before,
         "xla_env_after": _xla_env(),

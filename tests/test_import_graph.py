@@ -104,3 +104,58 @@ def test_amp_core_and_hardware_never_import_torch():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n == "torch" or n.startswith("torch.") for n in names), name
+
+
+ENGINE = "torch_facade.amp._engine"
+# What the engine may import of the facade outside itself: private helpers that import no
+# public module (the caller's frame, torch.compile's host side, folder checks, the half dtype).
+ENGINE_MAY_IMPORT = {
+    "torch_facade.amp._caller",
+    "torch_facade.amp._half_state",
+    "torch_facade.amp._host_side",
+    "torch_facade.amp._trusted_folder",
+}
+
+
+def facade_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Edges that break the facade's two floors: a public module (``torch_facade.amp.x``)
+    reaching into an engine submodule instead of the engine's ``__init__``, and the engine
+    importing anything of the facade but itself and :data:`ENGINE_MAY_IMPORT`."""
+    found = []
+    for name, targets in graph.items():
+        in_engine = name == ENGINE or name.startswith(ENGINE + ".")
+        for target in targets:
+            target_in_engine = target.startswith(ENGINE + ".")
+            if not in_engine and target_in_engine and name.startswith("torch_facade"):
+                found.append(f"{name} -> {target} (use {ENGINE}'s re-exports)")
+            if (
+                in_engine
+                and target.startswith("torch_facade")
+                and target != ENGINE
+                and not target_in_engine
+                and target not in ENGINE_MAY_IMPORT
+            ):
+                found.append(f"{name} -> {target} (the engine never imports the public modules)")
+    return sorted(found)
+
+
+def test_the_facade_layer_check_finds_planted_violations():
+    graph = {
+        "torch_facade.amp.grad_scaler": {"torch_facade.amp._engine._decision"},
+        "torch_facade.amp._engine._decision": {"torch_facade.amp.diagnostics"},
+        "torch_facade.amp.diagnostics": {ENGINE, "torch_facade.amp._caller"},
+        "torch_facade.amp._engine._cores": {"torch_facade.amp._caller", "amp_core"},
+    }
+    assert facade_layer_violations(graph) == [
+        "torch_facade.amp._engine._decision -> torch_facade.amp.diagnostics (the engine never "
+        "imports the public modules)",
+        f"torch_facade.amp.grad_scaler -> torch_facade.amp._engine._decision (use {ENGINE}'s "
+        "re-exports)",
+    ]
+
+
+def test_public_facade_modules_use_only_the_engines_lid():
+    known = project_modules()
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    assert graph["torch_facade.amp.grad_scaler"] >= {ENGINE}
+    assert facade_layer_violations(graph) == []

@@ -100,7 +100,7 @@ def test_the_wheel_holds_only_the_three_packages_each_with_py_typed(artifacts: d
     for package in LIBRARY:
         assert f"{package}/py.typed" in names
     assert "torch_facade/amp/grad_scaler.py" in names
-    assert "torch_facade/amp/_engine/_bridge.py" in names  # the engine's subpackage too
+    assert "torch_facade/amp/_engine/_scaler_engine.py" in names  # the engine's subpackage too
 
 
 def test_the_sdist_holds_the_library_and_no_demo_benchmarks_or_tests(artifacts: dict[str, Path]):

@@ -208,10 +208,10 @@ class Spies:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Wraps ``_bridge.import_tensors`` and ``Collective.gather`` while active."""
-        from torch_facade.amp._engine import _bridge, _distributed, _storage
+        """Wraps ``_dlpack.import_tensors`` and ``Collective.gather`` while active."""
+        from torch_facade.amp._engine import _distributed, _dlpack, _storage
 
-        import_tensors, gather = _bridge.import_tensors, _distributed.Collective.gather
+        import_tensors, gather = _dlpack.import_tensors, _distributed.Collective.gather
         # These spies pin where torch keeps each gradient; the small ones' packed copy
         # (_storage.SMALL_GRADIENT) would hide that, so it is off while they watch.
         small_gradient, _storage.SMALL_GRADIENT = _storage.SMALL_GRADIENT, 0
@@ -228,12 +228,12 @@ class Spies:
             self.gathers.append(tuple(partials.shape))
             return gather(collective, partials)
 
-        _bridge.import_tensors = spy_import
+        _dlpack.import_tensors = spy_import
         _distributed.Collective.gather = spy_gather  # type: ignore[method-assign]
         try:
             yield
         finally:
-            _bridge.import_tensors = import_tensors
+            _dlpack.import_tensors = import_tensors
             _distributed.Collective.gather = gather  # type: ignore[method-assign]
             _storage.SMALL_GRADIENT = small_gradient
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_facade as cstorch
-from torch_facade.amp._amp_state import autocast_device_types
+from torch_facade.amp.precision import autocast_device_types
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from facade_helpers import (
 from test_facade_compile_and_zero_copy import record_imports
 
 import torch_facade as cstorch
-from torch_facade.amp._engine import _bridge, _gradients, _storage
+from torch_facade.amp._engine import _dlpack, _gradients, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -194,7 +194,7 @@ def test_fused_skip_after_a_replaced_params_list_creates_no_state() -> None:
 
 
 def _full_reads(scaler: cstorch.amp.GradScaler) -> int:
-    return scaler._decider.reader.full_reads
+    return scaler._engine.decider.reader.full_reads
 
 
 def _warm(scaler, model, optimizer, steps=3, loss=loss_of):
@@ -260,8 +260,8 @@ def test_small_gradients_cross_through_one_kept_buffer(monkeypatch):
     _warm(scaler, model, optimizer)
     reads = record_imports(monkeypatch)
     imports = []
-    original = _bridge.import_tensors
-    monkeypatch.setattr(_bridge, "import_tensors", lambda t: imports.append(t) or original(t))
+    original = _dlpack.import_tensors
+    monkeypatch.setattr(_dlpack, "import_tensors", lambda t: imports.append(t) or original(t))
     kept = []
     for step in range(3, 8):
         optimizer.zero_grad()
@@ -316,8 +316,8 @@ def test_packs_not_kept_are_copied_and_imported_at_every_read(monkeypatch):
 def test_a_kept_buffer_imported_as_a_copy_is_imported_at_every_read(monkeypatch):
     """Should an import copy the kept buffer instead of viewing it, that copy is not kept (it
     would never see later iterations' gradients): every decision still reads its own."""
-    original = _bridge.import_tensors
-    monkeypatch.setattr(_bridge, "import_tensors", lambda ts: original([t.clone() for t in ts]))
+    original = _dlpack.import_tensors
+    monkeypatch.setattr(_dlpack, "import_tensors", lambda ts: original([t.clone() for t in ts]))
     model = TinyNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = cstorch.amp.GradScaler(**DLS)

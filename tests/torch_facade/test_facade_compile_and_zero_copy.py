@@ -17,7 +17,7 @@ from facade_helpers import (
 )
 
 import torch_facade as cstorch
-from torch_facade.amp._engine import _bridge, _crossing_cpu, _storage
+from torch_facade.amp._engine import _carry, _cores, _crossing_cpu, _dlpack, _storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is unscaling gradients")
 
@@ -74,7 +74,7 @@ def test_no_compilation_after_warm_up_over_40_steps_with_overflows(clip):
     assert events.count(COMPILE_EVENT) == 0, events
     assert events.count(TRACE_EVENT) == 0, events
     assert 5 < int(scaler.get_num_skipped_steps()) < 40
-    assert _bridge.local_core(scaler.config)._cache_size() == 1
+    assert _cores.local_core(scaler.config)._cache_size() == 1
 
 
 def test_a_new_gradient_structure_compiles_once_more():
@@ -94,13 +94,13 @@ def test_a_new_gradient_structure_compiles_once_more():
         other_scaler.step(other_opt)
         other_scaler.update()
     assert events.count(COMPILE_EVENT) >= 1
-    assert _bridge.local_core(scaler.config)._cache_size() == 2
+    assert _cores.local_core(scaler.config)._cache_size() == 2
 
 
 def record_imports(monkeypatch) -> list[list[jax.Array]]:
     """The gradient arrays the jitted core reads, one list per decision from now on."""
     imported: list[list[jax.Array]] = []
-    original = _bridge.local_core
+    original = _cores.local_core
 
     def recording_core(*config):
         core = original(*config)
@@ -111,7 +111,7 @@ def record_imports(monkeypatch) -> list[list[jax.Array]]:
 
         return call
 
-    monkeypatch.setattr(_bridge, "local_core", recording_core)
+    monkeypatch.setattr(_cores, "local_core", recording_core)
     return imported
 
 
@@ -210,14 +210,16 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
     for step in range(3):  # warm-up: builds the arena, compiles, creates Adam's state
         mixed_step(model, half, optimizers, scaler, step)
     crossings = {"to_jax": 0, "to_torch": 0, "import_tensors": 0, "exported_carry": 0}
+    modules = {"to_jax": _dlpack, "to_torch": _dlpack, "import_tensors": _dlpack}
     for name in crossings:
-        original = getattr(_bridge, name)
+        module = modules.get(name, _carry)
+        original = getattr(module, name)
 
         def counted(*args, _original=original, _name=name):
             crossings[_name] += 1
             return _original(*args)
 
-        monkeypatch.setattr(_bridge, name, counted)
+        monkeypatch.setattr(module, name, counted)
     steps = 6
     for step in range(3, 3 + steps):
         optimizers[0].zero_grad(set_to_none=False)
@@ -240,19 +242,19 @@ def test_a_steady_step_crosses_dlpack_once(monkeypatch):
 
 def test_cpu_import_and_export_share_memory_and_values():
     tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    (array,) = _bridge.import_tensors([tensor])
+    (array,) = _dlpack.import_tensors([tensor])
     assert array.unsafe_buffer_pointer() == tensor.data_ptr()
     assert array.shape == (3, 4) and float(array.sum()) == float(tensor.sum())
-    exported = _bridge.to_torch(array * 2)
+    exported = _dlpack.to_torch(array * 2)
     assert exported.dtype == torch.float32 and exported.shape == (3, 4)
     assert torch.equal(exported, tensor * 2)
     back = jax.numpy.arange(5, dtype=jax.numpy.int32)
-    assert _bridge.to_torch(back).data_ptr() == back.unsafe_buffer_pointer()
+    assert _dlpack.to_torch(back).data_ptr() == back.unsafe_buffer_pointer()
 
 
 def test_export_under_inference_mode_is_a_normal_tensor():
     with torch.inference_mode():
-        exported = _bridge.to_torch(jax.numpy.ones(3))
+        exported = _dlpack.to_torch(jax.numpy.ones(3))
     assert not exported.is_inference()
     assert torch.equal(exported, torch.ones(3))
 
@@ -271,23 +273,23 @@ def test_crossings_fall_back_to_the_public_api(monkeypatch):
         assert _crossing_cpu.importer_or_none() is None
         assert _crossing_cpu.exporter_or_none() is None
         assert _crossing_cpu.crossing() is None
-        _bridge._chosen_crossing.cache_clear()
+        _dlpack._chosen_crossing.cache_clear()
         try:
-            chosen = _bridge.crossing_for(cpu)
+            chosen = _dlpack.crossing_for(cpu)
         finally:
-            _bridge._chosen_crossing.cache_clear()
-    assert chosen.name == "public" and chosen.host_is_device
-    monkeypatch.setattr(_bridge, "crossing_for", lambda device: chosen)
+            _dlpack._chosen_crossing.cache_clear()
+    assert chosen.name == "dlpack" and chosen.host_is_device
+    monkeypatch.setattr(_dlpack, "crossing_for", lambda device: chosen)
     tensor = torch.arange(16, dtype=torch.float32)
-    (array,) = _bridge.import_tensors([tensor])
+    (array,) = _dlpack.import_tensors([tensor])
     assert array.unsafe_buffer_pointer() == tensor.data_ptr()
-    assert torch.equal(_bridge.to_torch(array + 1), tensor + 1)
-    assert _bridge.crossing_for(cpu) is chosen
+    assert torch.equal(_dlpack.to_torch(array + 1), tensor + 1)
+    assert _dlpack.crossing_for(cpu) is chosen
 
 
 def test_the_cpu_crossing_is_the_private_one_here():
     """On this jaxlib both private CPU functions pass their self-check."""
-    chosen = _bridge.crossing_for(torch.device("cpu"))
+    chosen = _dlpack.crossing_for(torch.device("cpu"))
     assert chosen.name == "cpu" and chosen.host_is_device
 
 
@@ -319,10 +321,10 @@ def test_a_packed_state_unpacks_to_the_same_bits():
     import numpy as np
 
     state = _extreme_state()
-    carry = _bridge.Carry(state)
+    carry = _carry.Carry(state)
     packed = carry.packed_on(torch.device("cpu"))
-    assert packed.shape == (_bridge.CARRY_SIZE,) and packed.dtype == jax.numpy.int32
-    back = _bridge.Carry(packed=packed, device=torch.device("cpu")).state
+    assert packed.shape == (_carry.CARRY_SIZE,) and packed.dtype == jax.numpy.int32
+    back = _carry.Carry(packed=packed, device=torch.device("cpu")).state
     for name, want in zip(state._fields, state, strict=True):
         got = np.asarray(getattr(back, name))
         assert got.dtype == want.dtype, name
@@ -333,12 +335,12 @@ def test_fields_read_from_torch_match_the_unpacked_state():
     """``Carry.field`` reads each field from torch's view of the carry, no JAX call: the same
     values and dtypes as the unpacked state."""
     state = _extreme_state()
-    packed = _bridge.Carry(state).packed_on(torch.device("cpu"))
-    view = _bridge.exported_carry(packed, _bridge.crossing_for(torch.device("cpu")))
-    carry = _bridge.Carry(packed=packed, device=torch.device("cpu"), view=view)
+    packed = _carry.Carry(state).packed_on(torch.device("cpu"))
+    view = _carry.exported_carry(packed, _dlpack.crossing_for(torch.device("cpu")))
+    carry = _carry.Carry(packed=packed, device=torch.device("cpu"), view=view)
     for name in state._fields:
-        from_torch = carry.field(name)
-        from_jax = _bridge.to_torch(getattr(carry.state, name))
+        from_torch = carry.field(_carry.state_slot(name))
+        from_jax = _dlpack.to_torch(getattr(carry.state, name))
         assert from_torch.dtype == from_jax.dtype, name
         assert (
             from_torch.view(-1).view(torch.uint8).tolist()
@@ -348,4 +350,4 @@ def test_fields_read_from_torch_match_the_unpacked_state():
 
 def test_a_carry_needs_a_state():
     with pytest.raises(ValueError, match="needs a state"):
-        _bridge.Carry()
+        _carry.Carry()

@@ -16,7 +16,7 @@ import torch
 from facade_helpers import run_python
 
 import torch_facade as cstorch
-from torch_facade.amp._engine import _bridge, _storage
+from torch_facade.amp._engine import _dlpack, _storage
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,10 +56,10 @@ def test_the_state_and_the_decision_live_on_the_gradients_gpu():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = cstorch.amp.GradScaler(**DLS)
     iteration(model, optimizer, scaler, 0, "cuda")
-    assert scaler._placed_for == torch.device("cuda", torch.cuda.current_device())
-    assert {d.platform for d in scaler._state.loss_scale.devices()} == {"gpu"}
+    assert scaler._engine.placed_for == torch.device("cuda", torch.cuda.current_device())
+    assert {d.platform for d in scaler._engine.state.loss_scale.devices()} == {"gpu"}
     assert scaler.get_scale().device.type == "cuda"
-    print("crossing:", _bridge.crossing_for(scaler._placed_for).name)
+    print("crossing:", _dlpack.crossing_for(scaler._engine.placed_for).name)
 
 
 def test_the_decisions_and_scale_follow_torchs_scaler_with_faults():
@@ -151,7 +151,7 @@ def test_jax_takes_only_a_little_gpu_memory():
         "    scaler.scale(model(torch.ones(8, 64, device='cuda')).square().mean()).backward()\n"
         "    scaler.step(optimizer); scaler.update()\n"
         "torch.cuda.synchronize(); after, _ = torch.cuda.mem_get_info()\n"
-        "(device,) = scaler._state.loss_scale.devices()\n"
+        "(device,) = scaler._engine.state.loss_scale.devices()\n"
         "stats = device.memory_stats() or {}\n"
         "print(json.dumps({'drop': before - after, 'total': total,\n"
         "                  'in_use': stats.get('bytes_in_use', 0)}))\n",
@@ -197,7 +197,7 @@ def test_a_model_on_the_second_gpu():
         "optimizer.zero_grad()\n"
         "scaler.scale(model(torch.ones(2, 16, device='cuda:1')).sum()).backward()\n"
         "scaler.step(optimizer); scaler.update()\n"
-        "print(json.dumps({'placed': str(scaler._placed_for),\n"
+        "print(json.dumps({'placed': str(scaler._engine.placed_for),\n"
         "                  'finite': bool(scaler.get_isfinite())}))\n",
         timeout=300,
     )

@@ -32,10 +32,12 @@ import amp_core
 import torch_facade as cstorch
 from hardware import devices as devices_module
 from torch_facade.amp._engine import (
-    _bridge,
+    _carry,
+    _cores,
     _crossing,
     _crossing_cuda,
-    _crossing_public,
+    _crossing_dlpack,
+    _dlpack,
     _jax_guest,
     _storage,
 )
@@ -228,18 +230,18 @@ def test_the_state_moves_to_the_gradients_device_at_the_first_decision():
     model = TinyNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = cstorch.amp.GradScaler(**DLS)
-    assert all(type(leaf).__name__ == "ndarray" for leaf in scaler._state)
+    assert all(type(leaf).__name__ == "ndarray" for leaf in scaler._engine.state)
     scaler.scale(loss_of(model, 0)).backward()
     scaler.step(optimizer)
     scaler.update()
     cpu = jax.devices("cpu")[0]
-    assert all(leaf.devices() == {cpu} for leaf in scaler._state)
-    assert scaler._placed_for == torch.device("cpu")
+    assert all(leaf.devices() == {cpu} for leaf in scaler._engine.state)
+    assert scaler._engine.placed_for == torch.device("cpu")
     scaler.load_state_dict({"loss_scale": 32.0})
-    assert scaler._state.loss_scale.devices() == {cpu}
+    assert scaler._engine.state.loss_scale.devices() == {cpu}
     assert float(scaler.get_scale()) == 32.0
     restored = pickle.loads(pickle.dumps(scaler))
-    assert all(type(leaf).__name__ == "ndarray" for leaf in restored._state)
+    assert all(type(leaf).__name__ == "ndarray" for leaf in restored._engine.state)
     assert int(restored.get_num_skipped_steps()) == int(scaler.get_num_skipped_steps())
 
 
@@ -270,9 +272,9 @@ def test_copies_to_the_cpu_wait_and_copies_from_it_need_not():
 
 def test_scale_copies_a_device_scale_to_a_cpu_loss_with_a_host_wait():
     scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=4.0)
-    scaler._scale_t = FakeDeviceTensor("cuda:0", 4.0)  # as if the state lived on a GPU
+    scaler._engine.scale_tensor = FakeDeviceTensor("cuda:0", 4.0)  # as if the state lived on a GPU
     assert float(scaler.scale(torch.tensor(2.0))) == 8.0
-    assert scaler._scale_t.copies == [(torch.device("cpu"), False)]
+    assert scaler._engine.scale_tensor.copies == [(torch.device("cpu"), False)]
 
 
 @pytest.mark.parametrize("small_gradient", [0, _storage.SMALL_GRADIENT], ids=["apart", "packed"])
@@ -288,7 +290,7 @@ def test_a_decision_holds_no_gradient_after_it_is_taken(
     monkeypatch.setattr(_storage, "SMALL_GRADIENT", small_gradient)
     if accelerator_path:
         chosen = accelerator_path_on_cpu()
-        monkeypatch.setattr(_bridge, "crossing_for", lambda device: chosen)
+        monkeypatch.setattr(_dlpack, "crossing_for", lambda device: chosen)
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     scaler = cstorch.amp.GradScaler(**DLS)
@@ -324,22 +326,22 @@ def primitives(jaxpr) -> set[str]:
 def test_the_accelerator_core_has_no_cond_and_the_cpu_core_keeps_its_one(clip):
     config = amp_core.DynamicLossScale(init_scale=2.0**8, max_gradient_norm=clip)
     grads = (jnp.ones((3, 4)), jnp.ones(5, jnp.float16), jnp.ones(2, jnp.bfloat16))
-    state = _bridge.Carry(amp_core.init(config)).packed_on(torch.device("cpu"))
+    state = _carry.Carry(amp_core.init(config)).packed_on(torch.device("cpu"))
 
     def traced(branch_free):
-        step = functools.partial(_bridge._local_step, config, branch_free)
+        step = functools.partial(_cores._local_step, config, branch_free)
         return primitives(jax.make_jaxpr(step)(state, grads, 1).jaxpr)
 
     assert "cond" not in traced(True)
     assert "cond" in traced(False)
-    partials = functools.partial(_bridge._partials, True)
+    partials = functools.partial(_cores._partials, True)
     assert "cond" not in primitives(jax.make_jaxpr(partials)(state, grads, grads).jaxpr)
 
 
 def accelerator_path_on_cpu():
     """The crossing an accelerator gets when its private one fails: the public API, no host
     reads of results (so: the branch-free core, no waits, stall counter left unread)."""
-    return _crossing_public.crossing(host_is_device=False)
+    return _crossing_dlpack.crossing(host_is_device=False)
 
 
 def train(optimizer_kind: str, clip: float | None, monkeypatch=None, steps: int = 8):
@@ -352,7 +354,7 @@ def train(optimizer_kind: str, clip: float | None, monkeypatch=None, steps: int 
     scaler = cstorch.amp.GradScaler(**DLS, steps_per_increase=2, max_gradient_norm=clip)
     if monkeypatch is not None:
         chosen = accelerator_path_on_cpu()
-        monkeypatch.setattr(_bridge, "crossing_for", lambda device: chosen)
+        monkeypatch.setattr(_dlpack, "crossing_for", lambda device: chosen)
     history = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -398,7 +400,7 @@ def test_the_forced_accelerator_path_reads_the_host_flag_once_per_non_fused_step
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = cstorch.amp.GradScaler(**DLS)
     chosen = accelerator_path_on_cpu()
-    monkeypatch.setattr(_bridge, "crossing_for", lambda device: chosen)
+    monkeypatch.setattr(_dlpack, "crossing_for", lambda device: chosen)
     reads = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or real_tolist(t))
@@ -407,7 +409,7 @@ def test_the_forced_accelerator_path_reads_the_host_flag_once_per_non_fused_step
         scaler.scale(loss_of(model, step)).backward()
         scaler.step(optimizer)
         scaler.update()
-    assert reads == [_bridge.CARRY_SIZE] * 3  # the core's packed result, once per iteration
+    assert reads == [_carry.CARRY_SIZE] * 3  # the core's packed result, once per iteration
 
 
 # ------------------------------------------------------------------------ crossings and lookup
@@ -468,10 +470,10 @@ def test_the_cuda_self_check_rejects_a_crossing_that_reads_stale_memory(monkeypa
     monkeypatch.setattr(torch.cuda, "device", lambda device: _NullContext())
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     copying = _crossing.Crossing(
-        "copy", lambda ts: tuple(jnp.asarray(t.numpy()) for t in ts), _bridge.to_torch, False
+        "copy", lambda ts: tuple(jnp.asarray(t.numpy()) for t in ts), _dlpack.to_torch, False
     )
     viewing = _crossing.Crossing(
-        "view", lambda ts: _bridge.import_tensors(ts), _bridge.to_torch, False
+        "view", lambda ts: _dlpack.import_tensors(ts), _dlpack.to_torch, False
     )
     cpu = torch.device("cpu")
     assert not _crossing_cuda.self_check(copying, cpu)
@@ -551,12 +553,19 @@ def test_ranks_that_disagree_are_caught_at_the_first_host_read_on_an_accelerator
     first host read (a non-fused step, the stall check) still checks that the ranks agreed."""
     from torch_facade.amp._engine import _decision
 
-    values = torch.ones(_bridge.CARRY_SIZE)
-    values[_bridge.scalar_index("consistent")] = 0.0
-    values[_bridge.scalar_index("found_inf")] = 0.0
-    carry = _bridge.Carry(amp_core.init_on_host(amp_core.DynamicLossScale()))
+    values = torch.ones(_carry.CARRY_SIZE)
+    values[_carry.Slot.CONSISTENT] = 0.0
+    values[_carry.Slot.FOUND_INF] = 0.0
+    carry = _carry.Carry(amp_core.init_on_host(amp_core.DynamicLossScale()))
     decision = _decision.Decision(
-        None, None, None, {}, None, carry, packed=values, host_is_device=False
+        full=None,
+        unscale=None,
+        clip=None,
+        pending={},
+        covered=None,
+        before=carry,
+        packed=values,
+        host_is_device=False,
     )
     assert not decision.host_values_known()
     with pytest.raises(RuntimeError, match="ranks' GradScalers disagree"):

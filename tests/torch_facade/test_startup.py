@@ -16,7 +16,7 @@ import pytest
 from facade_helpers import COMPILE_EVENT, TRACE_EVENT, jax_compile_events, run_python
 
 import amp_core
-from torch_facade.amp._engine import _bridge, _core_cache
+from torch_facade.amp._engine import _carry, _core_cache
 
 _DYNAMO_MODULES = (
     "sorted(m for m in sys.modules if m == 'torch._dynamo' or m.startswith('torch._dynamo.'))"
@@ -258,7 +258,7 @@ def _state(**changes: object) -> amp_core.LossScaleState:
 )
 def test_a_new_scalers_state_is_packed_on_the_host_as_the_jitted_pack_does(changes):
     state = _state(**changes)
-    host = _bridge._pack_on_host(state)
-    jitted = np.asarray(_bridge._pack_core()(jax.device_put(state)))
+    host = _carry._pack_on_host(state)
+    jitted = np.asarray(_carry._pack_core()(jax.device_put(state)))
     assert host.dtype == jitted.dtype == np.int32
     np.testing.assert_array_equal(host, jitted)

@@ -5,17 +5,6 @@ Example:
     >>> scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
 """
 
-from torch_facade.amp._amp_state import (
-    autocast,
-    enable_mixed_precision,
-    get_floating_point_dtype,
-    get_floating_point_dtype_str,
-    get_half_dtype,
-    get_half_dtype_str,
-    is_cbfloat16_tensor,
-    mixed_precision,
-    set_half_dtype,
-)
 from torch_facade.amp.casting import (
     disable_casts,
     float_function,
@@ -36,6 +25,17 @@ from torch_facade.amp.diagnostics import (
 )
 from torch_facade.amp.grad_scaler import GradScaler, LossScaleStalledError
 from torch_facade.amp.optimizer_step import optimizer_step
+from torch_facade.amp.precision import (
+    autocast,
+    enable_mixed_precision,
+    get_floating_point_dtype,
+    get_floating_point_dtype_str,
+    get_half_dtype,
+    get_half_dtype_str,
+    is_cbfloat16_tensor,
+    mixed_precision,
+    set_half_dtype,
+)
 
 __all__ = [
     "GradScaler",

@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from torch_facade.amp import _amp_state, _caller
+from torch_facade.amp import _caller, precision
+from torch_facade.amp._engine import engine_of
 from torch_facade.amp._host_side import host_side
 
 __all__ = [
@@ -77,7 +78,7 @@ class AmpHandle:
 
     def is_active(self) -> bool:
         """Whether casts happen now: ``init(enabled=True)`` and no :func:`disable_casts` open."""
-        return self._enabled and not _amp_state.are_casts_disabled()
+        return self._enabled and not precision.are_casts_disabled()
 
     @property
     def has_cache(self) -> bool:
@@ -174,7 +175,7 @@ def _casting_wrapper(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         if handle is None or not handle.is_active():
             return fn(*args, **kwargs)
         if kind == "half":
-            dtype = _amp_state.get_half_dtype()
+            dtype = precision.get_half_dtype()
         elif kind == "float":
             dtype = torch.float32
         else:
@@ -336,12 +337,7 @@ def register_promote_function(module: Any, name: str) -> None:
 
 def _warn_float16_without_scaler(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The reference's optimizer step pre-hook: float16 without a loss scaler underflows."""
-    from torch_facade.amp import conditional_update
-
-    if (
-        _amp_state.get_half_dtype_str() == "float16"
-        and conditional_update.scaler_of(optimizer) is None
-    ):
+    if precision.get_half_dtype_str() == "float16" and engine_of(optimizer) is None:
         warnings.warn(
             "Detected that the half dtype is set to float16 but no grad scaler steps this "
             f"{type(optimizer).__name__}. Please use a grad scaler to prevent gradient "
@@ -406,7 +402,7 @@ def init(
         return _STATE.handle
     handle = AmpHandle(enabled, verbose)
     if enabled:
-        _amp_state.enable_mixed_precision(True)
+        precision.enable_mixed_precision(True)
         for module, name, kind in _STATE.registry:
             handle._patch(module, name, functools.partial(_casting_wrapper, kind=kind))
         _STATE.registry.clear()
@@ -447,6 +443,6 @@ def disable_casts() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for device_type in _DEVICE_TYPES:
             if torch.is_autocast_enabled(device_type):
-                stack.enter_context(_amp_state.autocast_off(device_type))
-        stack.enter_context(_amp_state.casts_disabled())
+                stack.enter_context(precision.autocast_off(device_type))
+        stack.enter_context(precision.casts_disabled())
         yield

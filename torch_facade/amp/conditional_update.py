@@ -44,63 +44,14 @@ Example:
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-import amp_core
-from torch_facade.amp._engine import _gradients
+from torch_facade.amp._engine import engine_of, mark
 from torch_facade.amp._host_side import host_side
 
-
-class GradScaler(Protocol):
-    """What this module reads of a ``cstorch.amp.GradScaler`` (no import of it: no cycle)."""
-
-    @property
-    def config(self) -> amp_core.LossScaleConfig: ...
-    def get_isfinite(self) -> torch.Tensor: ...
-
-
 __all__ = ["isfinite", "setup_optimizer", "update_if_finite"]
-
-# The scaler that last met each optimizer (the one whose decision covers it).
-_SCALERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
-# Per scaler, the tensors marked this iteration: id(tensor) -> (weakref to it, its saved value).
-_MARKS: weakref.WeakKeyDictionary[Any, dict[int, tuple[weakref.ref, torch.Tensor]]] = (
-    weakref.WeakKeyDictionary()
-)
-# Whether any tensor was ever marked in this process: until then ``settle`` (twice an
-# iteration) has nothing to look up.
-_EVER_MARKED = [False]
-
-
-def link(optimizer: torch.optim.Optimizer, scaler: GradScaler) -> None:
-    """Records that ``scaler``'s decisions cover ``optimizer`` (the scaler calls it).
-
-    Example:
-        >>> import torch, torch_facade as cstorch
-        >>> from torch_facade.amp import conditional_update
-        >>> optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
-        >>> scaler = cstorch.amp.GradScaler()
-        >>> conditional_update.link(optimizer, scaler)
-        >>> conditional_update.scaler_of(optimizer) is scaler
-        True
-    """
-    _SCALERS[optimizer] = scaler
-
-
-def scaler_of(optimizer: torch.optim.Optimizer) -> GradScaler | None:
-    """The ``GradScaler`` whose decisions cover ``optimizer``, or ``None``.
-
-    Example:
-        >>> import torch
-        >>> from torch_facade.amp import conditional_update
-        >>> optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
-        >>> conditional_update.scaler_of(optimizer) is None
-        True
-    """
-    return _SCALERS.get(optimizer)
 
 
 def _check_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -139,37 +90,10 @@ def update_if_finite(optimizer: torch.optim.Optimizer | None, tensor: torch.Tens
     optimizer = _check_optimizer(optimizer)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor; got {tensor!r} ({type(tensor).__name__})")
-    scaler = None if optimizer is None else scaler_of(optimizer)
-    if scaler is None or not scaler.config.is_dynamic:  # static scaling never skips
+    engine = None if optimizer is None else engine_of(optimizer)
+    if engine is None or not engine.dynamic:  # static scaling never skips
         return
-    with torch.no_grad():
-        saved = tensor.detach().clone()
-    _MARKS.setdefault(scaler, {})[id(tensor)] = (weakref.ref(tensor), saved)
-    _EVER_MARKED[0] = True
-
-
-def settle(scaler: GradScaler) -> None:
-    """Restores the tensors marked for ``scaler``'s last decision if it skipped, and forgets them.
-
-    The scaler calls it at the end of ``update()`` and at the start of ``scale()``.
-
-    Example:
-        >>> import torch_facade as cstorch
-        >>> from torch_facade.amp import conditional_update
-        >>> conditional_update.settle(cstorch.amp.GradScaler(loss_scale="dynamic"))
-    """
-    if not _EVER_MARKED[0]:
-        return
-    marks = _MARKS.pop(scaler, None)
-    if not marks:
-        return
-    flag = scaler.get_isfinite()
-    with torch.no_grad():
-        for ref, saved in marks.values():
-            tensor = ref()
-            if tensor is not None:
-                keep = _gradients.on_device(flag, tensor.device)  # waits if it goes to the CPU
-                tensor.copy_(torch.where(keep, tensor, saved))
+    mark(engine, tensor)
 
 
 @host_side
@@ -192,10 +116,10 @@ def isfinite(optimizer: torch.optim.Optimizer | None) -> torch.Tensor | bool:
         True
     """
     optimizer = _check_optimizer(optimizer)
-    scaler = None if optimizer is None else scaler_of(optimizer)
-    if scaler is None:
+    engine = None if optimizer is None else engine_of(optimizer)
+    if engine is None:
         return True
-    return scaler.get_isfinite()
+    return engine.isfinite()
 
 
 def setup_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -6,18 +6,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, cast
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import jax
 import torch
 
 import amp_core
 from hardware import canonical_half_dtype
-from torch_facade.amp import _amp_state, _caller
-from torch_facade.amp._engine import _bridge, _dtensor, _storage
-from torch_facade.amp._engine._decision import Decision
+from torch_facade.amp import precision
+from torch_facade.amp._engine import import_tensors, local_gradient
 from torch_facade.amp._host_side import host_side
 
 
@@ -92,61 +90,6 @@ def _elements(count: int) -> str:
     return f"{count} element{'s' if count != 1 else ''}"
 
 
-def overflow_report(
-    decision: Decision | None,
-    optimizers: Sequence[torch.optim.Optimizer],
-    reached: Sequence[torch.Tensor],
-    module: torch.nn.Module | None = None,
-) -> OverflowReport:
-    """The :class:`OverflowReport` of a scaler's current (or last) decision.
-
-    See :meth:`GradScaler.nonfinite_gradients`. In a distributed job it covers this rank's
-    gradients (its shards under FSDP2). In a scaler's first iteration the decision also read the
-    parameters the scaled losses reached that no known optimizer holds yet (``reached``); without
-    ``module`` to name them they are ``unregistered_params[k]``, in the order the losses reached
-    them.
-
-    Raises:
-        RuntimeError: the scaler has not taken a decision yet.
-    """
-    if decision is None:
-        raise RuntimeError(
-            "nonfinite_gradients() needs a decision: call it after unscale_() or step()"
-        )
-    names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
-    entries: list[tuple[str, torch.Tensor, float]] = []
-    seen: set[int] = set()
-    for index, optimizer in enumerate(optimizers):
-        inv_scale = decision.inverse_scale_of(optimizer)
-        for g, group in enumerate(optimizer.param_groups):
-            for j, param in enumerate(group["params"]):
-                seen.add(id(param))
-                if param.grad is None:
-                    continue
-                name = names.get(id(param), f"optimizer{index}.param_groups[{g}].params[{j}]")
-                local = _dtensor.local_values(param.grad)[0]
-                entries.append((name, _storage.in_memory_order(local), inv_scale))
-    unregistered = [p for p in dict.fromkeys(reached) if id(p) not in seen]
-    if unregistered:  # still as scaled: no optimizer has unscaled them
-        inv_scale = decision.inverse_scale()
-        for k, param in enumerate(unregistered):
-            if param.grad is None:
-                continue
-            name = names.get(id(param), f"unregistered_params[{k}]")
-            local = _dtensor.local_values(param.grad)[0]
-            entries.append((name, _storage.in_memory_order(local), inv_scale))
-    found: dict[str, int] = {}
-    for inv_scale in sorted({inv for _, _, inv in entries}):
-        chosen = [(name, t) for name, t, inv in entries if inv == inv_scale]
-        arrays = _bridge.import_tensors([t for _, t in chosen])
-        leaves = jax.device_get(_bridge.report_core()(list(arrays), inv_scale))
-        for (name, _), leaf in zip(chosen, leaves, strict=True):
-            if bool(leaf.overflows):
-                found[name] = int(leaf.nonfinite_count)
-    ordered = {name: found[name] for name, _, _ in entries if name in found}
-    return OverflowReport(ordered, len(entries))
-
-
 class _Readable(Protocol):
     """The accessors :func:`scaler_metrics` reads (a :class:`GradScaler` has them)."""
 
@@ -186,54 +129,6 @@ def scaler_metrics(scaler: _Readable, *, as_tensors: bool = False) -> dict[str, 
     if as_tensors:
         return values
     return {key: value.item() for key, value in values.items()}
-
-
-class StallWatch:
-    """Warns (or raises) when a run has overflowed at ``min_loss_scale`` for too long.
-
-    Reads one number the decision already exported: free where the host is the device or has
-    read the decision already, and skipped otherwise (a fused step on an accelerator: no host
-    synchronisation for this; see docs/gpus.md).
-
-    Args:
-        config: the dynamic configuration (its ``stall_steps`` and ``min_loss_scale``).
-        raise_on_stall: raise :class:`LossScaleStalledError` instead of warning.
-    """
-
-    def __init__(self, config: amp_core.DynamicLossScale, raise_on_stall: bool) -> None:
-        self.config = config
-        self.raise_on_stall = raise_on_stall
-        self.warned = False
-
-    def check(self, decision: Decision, report: Any) -> None:
-        """Checks the counter after ``decision``'s update; ``report()`` gives the overflow report."""
-        if decision.packed is None or not decision.host_values_known():
-            return
-        values = decision.host_values()
-        assert values is not None
-        if values[_FOUND_INF] == 0.0:
-            self.warned = False
-            return
-        count = int(values[_STALL])
-        if count < cast(int, self.config.stall_steps):  # resolved: never None
-            self.warned = self.warned and count > 0
-            return
-        message = (
-            f"dynamic loss scaling has stalled: {count} consecutive steps overflowed with the "
-            f"loss scale already at min_loss_scale={self.config.min_loss_scale}, so every step "
-            "is skipped and lowering the scale cannot help. The gradients are inf or NaN for "
-            "another reason (a diverged model, bad data, a learning rate that is too high): "
-            "see GradScaler.nonfinite_gradients() for which parameters."
-        )
-        if self.raise_on_stall:
-            raise LossScaleStalledError(message, report())
-        if not self.warned:
-            warnings.warn(message, RuntimeWarning, stacklevel=_caller.stacklevel())
-            self.warned = True
-
-
-_FOUND_INF = _bridge.scalar_index("found_inf")
-_STALL = _bridge.scalar_index("overflows_at_min_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,13 +252,13 @@ def gradient_range_report(
     """
     named = _named_gradients(parameters)
     dtype = canonical_half_dtype(
-        _amp_state.get_half_dtype_str() if half_dtype is None else half_dtype,
+        precision.get_half_dtype_str() if half_dtype is None else half_dtype,
         argument="half_dtype",
     )
     scale = _loss_scale_value(loss_scale)
     if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
         raise ValueError(f"headroom must be a non-negative integer (doublings); got {headroom!r}")
-    arrays = list(_bridge.import_tensors(list(named.values())))
+    arrays = list(import_tensors(list(named.values())))
     leaves, suggested = _range_core(dtype, headroom)(arrays, scale)
     leaves, total, suggested = jax.device_get(
         (leaves, amp_core.gradient_range_totals(leaves), suggested)
@@ -415,11 +310,7 @@ def _named_gradients(parameters: Any) -> dict[str, torch.Tensor]:
             "parameters must be a torch.nn.Module or an iterable of tensors; got "
             f"{type(parameters).__name__}"
         )
-    named = {
-        name: _storage.in_memory_order(_dtensor.local_values(p.grad)[0])
-        for name, p in pairs
-        if p.grad is not None
-    }
+    named = {name: local_gradient(p) for name, p in pairs if p.grad is not None}
     if not named:
         raise ValueError(
             "parameters: no parameter has a gradient (.grad is None for all "

@@ -1,18 +1,13 @@
 """``cstorch.amp.GradScaler``: the per-optimizer stage machine over one decision per iteration.
 
-The decision itself (reading the gradients, the jitted core, the multipliers) is
-:mod:`~torch_facade.amp._engine._decision`; fused optimizers' kernels are driven by
-:mod:`~torch_facade.amp._engine._fused`; the overflow report and the stall check are
-:mod:`~torch_facade.amp.diagnostics`. This module keeps the stages, the state and the accessors.
+Each method checks its arguments and the optimizer's stage, then makes one call to the engine
+(:class:`~torch_facade.amp._engine._scaler_engine.ScalerEngine`), which owns the state, the
+optimizers and the iteration's decision. docs/architecture.md follows one step through it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import functools
-import itertools
-import operator
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,13 +15,12 @@ from typing import Any
 import torch
 
 import amp_core
-from torch_facade.amp import _caller, _cbfloat16_notice, _torch_checkpoint, conditional_update
-from torch_facade.amp._amp_state import get_half_dtype_str
-from torch_facade.amp._engine import _bridge, _discovery, _distributed, _gradients
-from torch_facade.amp._engine._decision import Decider, Decision, params_of
-from torch_facade.amp._engine._fused import FusedSteps
+from torch_facade.amp import _caller, _torch_checkpoint
+from torch_facade.amp._arguments import check_optimizer, optimizer_list
+from torch_facade.amp._engine import ScalerEngine, Slot
 from torch_facade.amp._host_side import host_side
-from torch_facade.amp.diagnostics import LossScaleStalledError, StallWatch, overflow_report
+from torch_facade.amp.diagnostics import LossScaleStalledError, OverflowReport
+from torch_facade.amp.precision import get_half_dtype_str
 
 __all__ = ["GradScaler", "LossScaleStalledError"]
 
@@ -37,34 +31,11 @@ class _Stage(enum.Enum):
     STEPPED = 2
 
 
-def _check_optimizer(value: Any, argument: str) -> torch.optim.Optimizer:
-    if not isinstance(value, torch.optim.Optimizer):
-        raise TypeError(f"{argument} must be a torch.optim.Optimizer; got {type(value).__name__}")
-    return value
-
-
-def _optimizer_list(value: Any, argument: str) -> list[torch.optim.Optimizer]:
-    if isinstance(value, torch.optim.Optimizer):
-        return [value]
-    if isinstance(value, (list, tuple)) and value:
-        return [_check_optimizer(o, f"{argument}[{i}]") for i, o in enumerate(value)]
-    raise TypeError(
-        f"{argument} must be a torch.optim.Optimizer or a non-empty list or tuple of them; "
-        f"got {value!r}"
-    )
-
-
 def _truthy(value: Any) -> bool:
     try:
         return bool(value)
     except (RuntimeError, ValueError, TypeError):  # e.g. a tensor of several elements
         return True
-
-
-@functools.lru_cache(maxsize=16)
-def _with_clip_norm(config: amp_core.DynamicLossScale, norm: float) -> amp_core.DynamicLossScale:
-    """``config`` with DLS + GCC at ``norm``; cached: ``optimizer_step`` asks every iteration."""
-    return dataclasses.replace(config, max_gradient_norm=norm)
 
 
 class GradScaler:
@@ -163,70 +134,12 @@ class GradScaler:
         )
         if not isinstance(raise_on_stall, bool):
             raise TypeError(f"raise_on_stall must be a bool; got {raise_on_stall!r}")
-        _distributed.check_group(process_group)
-        self._raise_on_stall = raise_on_stall
-        self._decider = Decider(process_group)
-        self._warned_dtype = False
-        self._start_session()
-        # On the host until the first decision puts it on the gradients' device: constructing a
-        # scaler starts no JAX backend.
-        self._set_state(amp_core.init_on_host(self._config))
-        if optimizers is not None:
-            for optimizer in _optimizer_list(optimizers, "optimizers"):
-                self._register(optimizer)
-            self._discovering = False  # the user said which optimizers take part
-
-    def _start_session(self) -> None:
-        """The per-process bookkeeping, empty (a new or an unpickled scaler)."""
-        self._dynamic = self._config.is_dynamic
-        self._optimizers: list[torch.optim.Optimizer] = []
+        self._engine = ScalerEngine(self._config, process_group, raise_on_stall=raise_on_stall)
         self._stages: dict[torch.optim.Optimizer, _Stage] = {}
-        self._scaled = False  # scale() was called since the last update()
-        self._decision: Decision | None = None
-        self._last_decision: Decision | None = None
-        # In the first iteration, the parameters the scaled losses reach join the decision.
-        self._discovering = True
-        self._reached: list[torch.Tensor] = []
-        config = self._config
-        self._stall = (
-            StallWatch(config, self._raise_on_stall)
-            if isinstance(config, amp_core.DynamicLossScale)
-            else None
-        )
-        self._fused = FusedSteps()
-        # The participating parameters, the same list while they stay the same (by identity).
-        self._participants_cache: list[torch.Tensor] | None = None
-
-    # ------------------------------------------------------------------ state
-
-    def _set_state(
-        self, state: amp_core.LossScaleState, placed_for: torch.device | None = None
-    ) -> None:
-        """Adopts ``state``.
-
-        ``placed_for``: the torch device whose JAX device ``state`` is on (``None`` for a state
-        on the host), so that the next decision on that device need not look.
-        """
-        self._adopt(_bridge.Carry(state, device=placed_for), _bridge.to_torch(state.loss_scale))
-
-    def _adopt(self, carry: _bridge.Carry, scale: torch.Tensor) -> None:
-        """Adopts the state ``carry`` holds, whose loss scale ``scale`` views."""
-        self._carry = carry
-        self._scale_t = scale
-        # Static scaling: the scale as a Python float (get_scale() returns it; compiled code
-        # reads it without a host read). By exactly 1 it needs no arithmetic at all.
-        self._static_scale = None if self._dynamic else float(self._scale_t)
-        self._identity = self._static_scale == 1.0
-
-    @property
-    def _state(self) -> amp_core.LossScaleState:
-        """The scaler state (unpacked from the last decision's result when first asked for)."""
-        return self._carry.state
-
-    @property
-    def _placed_for(self) -> torch.device | None:
-        """The torch device whose JAX device the state is on (``None``: on the host)."""
-        return self._carry.device
+        if optimizers is not None:
+            for optimizer in optimizer_list(optimizers, "optimizers"):
+                self._register(optimizer)
+            self._engine.discovering = False  # the user said which optimizers take part
 
     @property
     def config(self) -> amp_core.LossScaleConfig:
@@ -254,7 +167,7 @@ class GradScaler:
         if destination is not None and not isinstance(destination, dict):
             raise TypeError(f"destination must be a dict or None; got {type(destination).__name__}")
         result = {} if destination is None else destination
-        for key, value in amp_core.to_state_dict(self._config, self._state).items():
+        for key, value in amp_core.to_state_dict(self._config, self._engine.state).items():
             dtype = torch.float32 if key == "loss_scale" else torch.int64
             result[key] = torch.tensor(value, dtype=dtype)
         return result
@@ -285,16 +198,11 @@ class GradScaler:
                 "load_state_dict() must be called between iterations (after update()), not "
                 "between scale() and update(): the gradients were scaled with the old scale"
             )
-        state_dict = _torch_checkpoint.to_facade_format(state_dict, self._config)
-        state = amp_core.from_state_dict(self._config, _bridge.on_host(self._state), state_dict)
-        placed_for = self._placed_for
-        if placed_for is not None:
-            state = _bridge.place_state(state, placed_for)
-        self._set_state(state, placed_for=placed_for)
+        self._engine.load(_torch_checkpoint.to_facade_format(state_dict, self._config))
 
     def _busy(self) -> bool:
         stepping = any(s is not _Stage.READY for s in self._stages.values())
-        return self._scaled or stepping or self._decision is not None
+        return stepping or self._engine.busy()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickles between iterations: the configuration and the whole state, on the host.
@@ -307,23 +215,24 @@ class GradScaler:
                 "a GradScaler can only be pickled (or deep-copied) between iterations, after "
                 "update(): this one is between scale() and update()"
             )
-        if self._decider.process_group is not None:
+        engine = self._engine
+        if engine.process_group is not None:
             raise TypeError("a GradScaler with an explicit process_group cannot be pickled")
         return {
             "config": self._config,
-            "state": _bridge.on_host(self._state),
-            "raise_on_stall": self._raise_on_stall,
-            "warned_dtype": self._warned_dtype,
+            "state": engine.host_state(),
+            "raise_on_stall": engine.raise_on_stall,
+            "warned_dtype": engine.warned_dtype,
         }
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._config = pickled["config"]
-        self._decider = Decider(None)
-        self._raise_on_stall = pickled["raise_on_stall"]
-        self._warned_dtype = pickled["warned_dtype"]
-        self._start_session()
         # On the host, until the next decision places it (as after construction).
-        self._set_state(_bridge.host_state(pickled["state"]))
+        self._engine = ScalerEngine(
+            self._config, raise_on_stall=pickled["raise_on_stall"], state=pickled["state"]
+        )
+        self._engine.warned_dtype = pickled["warned_dtype"]
+        self._stages = {}
 
     # ------------------------------------- torch.amp.GradScaler internals that trainers call
 
@@ -334,7 +243,7 @@ class GradScaler:
         accelerate reads it when it loads an FSDP2 checkpoint (with
         :meth:`_lazy_init_scale_growth_tracker`).
         """
-        return self._scale_t.device.type
+        return self._engine.scale_tensor.device.type
 
     def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
         """A no-op: this scaler's state exists from construction (torch's creates it lazily).
@@ -356,7 +265,7 @@ class GradScaler:
             >>> cstorch.amp.GradScaler(loss_scale=1.0).is_enabled()
             False
         """
-        return not self._identity
+        return not self._engine.identity
 
     def get_scale(self) -> torch.Tensor | float:
         """The current loss scale: a float32 tensor for DLS, a float for static scaling.
@@ -368,9 +277,10 @@ class GradScaler:
             >>> cstorch.amp.GradScaler(loss_scale=8.0).get_scale()
             8.0
         """
-        if self._static_scale is not None:
-            return self._static_scale
-        return self._scale_t.clone()
+        engine = self._engine
+        if engine.static_scale is not None:
+            return engine.static_scale
+        return engine.scale_tensor.clone()
 
     @host_side
     def get_non_clamped_scale(self) -> torch.Tensor | float:
@@ -387,8 +297,8 @@ class GradScaler:
             >>> scaler.get_scale(), scaler.get_non_clamped_scale()  # ... and is clamped to 4
             (tensor(4.), tensor(2.))
         """
-        value = self._carry.field("non_clamped_scale")
-        return value.clone() if self._dynamic else float(value)
+        value = self._engine.field(Slot.NON_CLAMPED_SCALE)
+        return value.clone() if self._engine.dynamic else float(value)
 
     @host_side
     def get_num_skipped_steps(self) -> torch.Tensor:
@@ -408,7 +318,7 @@ class GradScaler:
             >>> scaler.get_num_skipped_steps()
             tensor(1)
         """
-        return self._carry.field("num_skipped_steps").to(torch.int64)
+        return self._engine.field(Slot.NUM_SKIPPED_STEPS).to(torch.int64)
 
     @host_side
     def get_isfinite(self) -> torch.Tensor:
@@ -429,9 +339,7 @@ class GradScaler:
             >>> scaler.get_isfinite()
             tensor(False)
         """
-        if self._decision is not None:
-            return self._decision.isfinite()
-        return self._carry.field("isfinite").clone()
+        return self._engine.isfinite()
 
     @host_side
     def get_global_norm(self) -> torch.Tensor:
@@ -450,10 +358,7 @@ class GradScaler:
             >>> scaler.get_global_norm()
             tensor(5.)
         """
-        norm = None if self._decision is None else self._decision.global_norm()
-        if norm is not None:
-            return norm
-        return self._carry.field("global_norm").clone()
+        return self._engine.global_norm()
 
     # --------------------------------------------------------------- the loop
 
@@ -476,7 +381,7 @@ class GradScaler:
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor; got {type(loss).__name__}")
-        if self._decision is not None and self._dynamic:
+        if self._engine.decision is not None and self._engine.dynamic:
             raise RuntimeError(
                 "scale() was called after this iteration's overflow decision, which was taken "
                 "at the first unscale_() or step() over every optimizer's gradients: the "
@@ -484,17 +389,7 @@ class GradScaler:
                 "iteration before the first unscale_()/step() (as one loss over all models), or "
                 "use one GradScaler per optimizer for alternating losses (GAN-style loops)."
             )
-        if not self._scaled:  # a new iteration: restore what was marked after the last update()
-            conditional_update.settle(self)
-        self._scaled = True
-        if self._discovering and self._dynamic and loss.grad_fn is not None:
-            self._reached.extend(_discovery.reached_parameters(loss))
-        if self._identity:
-            return loss.float()
-        scale = self._scale_t
-        if scale.device != loss.device and scale.device.type != "cpu":
-            scale = _gradients.on_device(scale, loss.device)  # a CPU 0-d tensor needs no copy
-        return loss.float() * scale
+        return self._engine.scale(loss)
 
     @host_side
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -524,7 +419,7 @@ class GradScaler:
             >>> model.weight.grad
             tensor([[3., 4.]])
         """
-        optimizer = _check_optimizer(optimizer, "optimizer")
+        optimizer = check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
         stage = self._stages[optimizer]
         if stage is _Stage.UNSCALED:
@@ -532,8 +427,7 @@ class GradScaler:
         if stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         self._require_scaled("unscale_")
-        just_read = self._decision is None
-        self._decide().unscale_(optimizer, just_read)
+        self._engine.unscale(optimizer)
         self._stages[optimizer] = _Stage.UNSCALED
 
     @host_side
@@ -564,7 +458,7 @@ class GradScaler:
             >>> model.weight.data
             tensor([[0.7000, 0.6000]])
         """
-        optimizer = _check_optimizer(optimizer, "optimizer")
+        optimizer = check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
         if self._stages[optimizer] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -590,7 +484,7 @@ class GradScaler:
             >>> torch.equal(model.weight, before)
             True
         """
-        optimizer = _check_optimizer(optimizer, "optimizer")
+        optimizer = check_optimizer(optimizer, "optimizer")
         self._register(optimizer)
         return self._step_if_finite(optimizer, args, kwargs)
 
@@ -599,13 +493,7 @@ class GradScaler:
     ) -> Any:
         """:meth:`step_if_finite` for an optimizer checked and registered already."""
         self._require_scaled("step")
-        just_read = self._decision is None
-        decision = self._decide()
-        if self._fused.possible(optimizer, decision):
-            result = self._fused.step(optimizer, decision, args, kwargs)
-        else:
-            decision.finish(optimizer, just_read)
-            result = optimizer.step(*args, **kwargs) if decision.host_isfinite() else None
+        result = self._engine.step(optimizer, args, kwargs)
         self._stages[optimizer] = _Stage.STEPPED
         return result
 
@@ -629,16 +517,15 @@ class GradScaler:
             >>> model.weight.grad  # the norm 5 clipped to 1 (clip_grad_norm_'s coefficient)
             tensor([[0.6000, 0.8000]])
         """
-        optimizers = _optimizer_list(optimizers, "optimizers")
+        optimizers = optimizer_list(optimizers, "optimizers")
         for optimizer in optimizers:
             self._register(optimizer)
         self._require_scaled("clip_gradients_and_return_isfinite")
-        decision = self._decide()
         for optimizer in optimizers:
             if self._stages[optimizer] is _Stage.READY:
-                decision.finish(optimizer)
+                self._engine.finish(optimizer)
                 self._stages[optimizer] = _Stage.UNSCALED
-        return decision.isfinite()
+        return self._engine.decide().isfinite()
 
     @host_side
     def update_scale(self, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
@@ -658,26 +545,13 @@ class GradScaler:
             >>> scaler.get_scale()
             tensor(16384.)
         """
-        for optimizer in _optimizer_list(optimizers, "optimizers"):
+        for optimizer in optimizer_list(optimizers, "optimizers"):
             self._register(optimizer)
-        self._update_scale()
+        self._engine.update_scale(self._stepped())
 
-    def _update_scale(self) -> None:
-        """:meth:`update_scale` once every optimizer it names is registered."""
-        if not self._dynamic:
-            return
-        decision = self._decide()
-        if decision.scale_updated:
-            return
-        assert decision.outputs is not None
-        stepped = list(self._stages.values()).count(_Stage.STEPPED)
-        carry = _bridge.Carry(packed=decision.outputs, device=decision.device, view=decision.packed)
-        if stepped == decision.expected_steps:
-            self._adopt(carry, carry.field("loss_scale"))
-        else:  # an optimizer joined late, or one known optimizer did not step
-            state = _bridge.recount_skipped_steps(decision.state_before, carry.state, stepped)
-            self._set_state(state, placed_for=decision.device)
-        decision.scale_updated = True
+    def _stepped(self) -> int:
+        """How many known optimizers stepped this iteration."""
+        return list(self._stages.values()).count(_Stage.STEPPED)
 
     @host_side
     def update(self, new_scale: Any = None) -> None:
@@ -705,27 +579,21 @@ class GradScaler:
         """
         if new_scale is not None and _truthy(new_scale):
             raise ValueError("GradScaler.update() does not support providing a `new_scale`")
-        if self._dynamic:
-            if self._decision is None and all(s is _Stage.READY for s in self._stages.values()):
+        engine = self._engine
+        if engine.dynamic:
+            if engine.decision is None and all(s is _Stage.READY for s in self._stages.values()):
                 raise RuntimeError(
                     "update() was called without a step() or unscale_() since the last "
                     "update(): there is no overflow check to update the loss scale from"
                 )
-            self._update_scale()
-        if self._decision is not None:
-            self._decision.read = None  # the gradients read must not outlive the iteration
-        self._last_decision = self._decision
-        self._decision = None
-        self._scaled = False
-        if self._optimizers:
-            self._discovering = False
-            self._reached = []
+            engine.update_scale(self._stepped())
         for optimizer in self._stages:
             self._stages[optimizer] = _Stage.READY
-        conditional_update.settle(self)  # restore what update_if_finite marked, if skipped
-        if self._stall is not None and self._last_decision is not None:
-            last = self._last_decision
-            self._stall.check(last, lambda: self._report(last))
+        stalled = engine.end_iteration()
+        if stalled is not None:
+            if engine.raise_on_stall:
+                raise LossScaleStalledError(stalled, self.nonfinite_gradients())
+            warnings.warn(stalled, RuntimeWarning, stacklevel=_caller.stacklevel())
 
     # ------------------------------------------------------------ diagnostics
 
@@ -755,15 +623,12 @@ class GradScaler:
             >>> print(scaler.nonfinite_gradients(model))
             1 of 2 gradients non-finite: bias (1 element)
         """
-        return self._report(self._decision or self._last_decision, module)
-
-    def _report(self, decision: Decision | None, module: torch.nn.Module | None = None) -> Any:
-        return overflow_report(decision, self._optimizers, self._reached, module)
+        return OverflowReport(*self._engine.nonfinite_counts(module))
 
     # --------------------------------------------------------------- internals
 
     def _require_scaled(self, method: str) -> None:
-        if not self._scaled and not self._identity:
+        if not self._engine.scaled and not self._engine.identity:
             raise RuntimeError(
                 f"{method}() was called without scale(loss).backward() since the last update(): "
                 "the gradients were never scaled, so unscaling them would divide them by the "
@@ -771,87 +636,33 @@ class GradScaler:
             )
 
     def _register(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer in self._stages:
-            return
-        params = params_of(optimizer)
-        if any(getattr(p, "_fsdp_flattened", False) for p in params):
-            raise ValueError(
-                "GradScaler does not support FSDP1 (FullyShardedDataParallel) parameters: their "
-                "gradients are flat shards the scaler cannot tell from replicas. Use FSDP2 "
-                "(torch.distributed.fsdp.fully_shard), whose DTensor gradients it supports."
-            )
-        decision = self._decision
-        if decision is not None and decision.covered is not None:
-            unread = [p for p in params if p.grad is not None and id(p) not in decision.covered]
-            if unread:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} reached this GradScaler after this iteration's "
-                    "overflow decision was taken without its gradients. Register every "
-                    "optimizer up front with GradScaler(..., optimizers=[opt1, opt2]), or call "
-                    "unscale_() on each optimizer before the first step() (as optimizer_step "
-                    "does)."
-                )
-        if not self._warned_dtype and any(p.dtype != torch.float32 for p in params):
-            warnings.warn(
-                "GradScaler is unscaling gradients that are not float32 in their own dtype",
-                UserWarning,
-                stacklevel=_caller.stacklevel(),
-            )
-            self._warned_dtype = True
-        self._optimizers.append(optimizer)
-        self._stages[optimizer] = _Stage.READY
-        conditional_update.link(optimizer, self)  # for cstorch.amp.isfinite/update_if_finite
-        if decision is not None:
-            decision.join(optimizer)
+        if optimizer not in self._stages:
+            self._engine.register(optimizer)
+            self._stages[optimizer] = _Stage.READY
 
-    def _participants(self) -> list[torch.Tensor]:
-        """Every known optimizer's parameters, then (first iteration) those the losses reach.
 
-        The same list object as last time while every one of them is the same parameter, by
-        identity, in the same order (the gradients' remembered structure is kept for that list:
-        ``add_param_group``, a replaced ``params`` list or a parameter swapped inside one gives
-        a new list). The remembered list keeps its parameters alive, so no other object can
-        take one's place at the same address.
-        """
-        cached = self._participants_cache
-        if cached is not None and not self._reached:
-            lists = [group["params"] for o in self._optimizers for group in o.param_groups]
-            if sum(map(len, lists)) == len(cached) and all(
-                map(operator.is_, itertools.chain.from_iterable(lists), cached)
-            ):
-                return cached
-        params = [p for o in self._optimizers for p in params_of(o)]
-        seen = {id(p) for p in params}
-        if len(seen) != len(params):
-            raise ValueError(
-                "a parameter appears twice among the optimizers known to this GradScaler; each "
-                "parameter must belong to one optimizer and one param group"
-            )
-        if not self._reached:
-            self._participants_cache = params
-        for param in self._reached:
-            if id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-        return params
+def register_optimizers(
+    grad_scaler: GradScaler, optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
+    """Makes ``optimizers`` known to ``grad_scaler`` (``optimizer_step`` does, before backward)."""
+    for optimizer in optimizers:
+        grad_scaler._register(optimizer)
 
-    def _decide(self, clip_norm: float | None = None) -> Decision:
-        """Takes the iteration's overflow decision once, over every participating gradient.
 
-        ``clip_norm`` (DLS only) clips by that global norm in the same pass, as DLS + GCC does;
-        ``optimizer_step(..., max_gradient_norm=...)`` uses it.
-        """
-        if self._decision is not None:
-            return self._decision
-        params = self._participants()
-        config = self._config
-        if isinstance(config, amp_core.DynamicLossScale):
-            if clip_norm is not None:
-                config = _with_clip_norm(config, clip_norm)
-            decision = self._decider.dynamic(config, self._carry, params, self._optimizers)
-        else:  # static scaling never checks: apply every step
-            decision = self._decider.static(self._carry, params, self._optimizers, self._identity)
-        self._decision = decision
-        if self._dynamic:
-            _cbfloat16_notice.check(self, params)
-        return decision
+def decide_with_fused_clip(
+    grad_scaler: GradScaler, optimizers: Sequence[torch.optim.Optimizer], max_norm: float
+) -> bool:
+    """``optimizer_step``'s fused clip: when ``grad_scaler`` scales dynamically without GCC of
+    its own and ``optimizers`` are exactly the ones it knows, takes this iteration's decision
+    with the clip by ``max_norm`` fused into the overflow check (one read of the gradients) and
+    returns ``True``; else returns ``False`` and the caller unscales and clips."""
+    config = grad_scaler.config
+    fused = (
+        max_norm > 0
+        and isinstance(config, amp_core.DynamicLossScale)
+        and not config.clips
+        and {id(o) for o in grad_scaler._engine.optimizers} == {id(o) for o in optimizers}
+    )
+    if fused:
+        grad_scaler._engine.decide(clip_norm=max_norm)
+    return fused

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-import amp_core
-from torch_facade.amp._engine._decision import params_of
+from torch_facade.amp._arguments import optimizer_list
+from torch_facade.amp._engine import params_of
 from torch_facade.amp._host_side import host_side
-from torch_facade.amp.grad_scaler import GradScaler, _optimizer_list
+from torch_facade.amp.grad_scaler import GradScaler, decide_with_fused_clip, register_optimizers
 
 
 def _clip_value(value: Any, argument: str) -> float | None:
@@ -67,7 +67,7 @@ def optimizer_step(
     """
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss must be a torch.Tensor; got {type(loss).__name__}")
-    optimizers = _optimizer_list(optimizer, "optimizer")
+    optimizers = optimizer_list(optimizer, "optimizer")
     if len(set(map(id, optimizers))) != len(optimizers):
         raise ValueError("optimizer lists the same optimizer more than once")
     if not isinstance(grad_scaler, GradScaler):
@@ -86,23 +86,13 @@ def optimizer_step(
             "loss must be a single-element tensor that requires grad; got shape "
             f"{tuple(loss.shape)} with requires_grad={loss.requires_grad}"
         )
-    for opt in optimizers:
-        grad_scaler._register(opt)
+    register_optimizers(grad_scaler, optimizers)
 
     grad_scaler.scale(loss).backward()
     params = [p for opt in optimizers for p in params_of(opt)]
-    fused_clip = (
-        norm is not None
-        and norm > 0
-        and isinstance(grad_scaler.config, amp_core.DynamicLossScale)
-        and not grad_scaler.config.clips
-        and set(map(id, grad_scaler._optimizers)) == set(map(id, optimizers))
-    )
-    if fused_clip:
-        # Nothing can observe the gradients between unscale and step here, so the unscale and the
-        # clip are left to the single fused pass (and to fused optimizers' kernels).
-        grad_scaler._decide(clip_norm=norm)
-    else:
+    # Nothing can observe the gradients between unscale and step here, so where it can the
+    # unscale and the clip are left to the single fused pass (and to fused optimizers' kernels).
+    if norm is None or not decide_with_fused_clip(grad_scaler, optimizers, norm):
         for opt in optimizers:
             grad_scaler.unscale_(opt)
         if norm is not None:

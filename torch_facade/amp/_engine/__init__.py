@@ -1,20 +1,24 @@
 """The engine under ``cstorch.amp``: how one iteration's overflow decision is taken.
 
-Nothing here is public API: the public modules one level up (``grad_scaler``,
-``optimizer_step``, ``casting``, ``cbfloat16``, ``conditional_update``, ``diagnostics``) call
-it, and it never imports them. A decision goes one way through it:
-
-1. read: :mod:`._gradients` collects the participating gradients where torch keeps them
-   (:mod:`._storage`: flat buffers and packed small gradients; :mod:`._dtensor`: FSDP2 shards;
-   :mod:`._discovery`: the parameters a loss reaches);
-2. resolve the device once: :func:`._bridge.crossing_for` starts JAX as a guest on torch's device
-   (:mod:`._jax_guest`) and picks that device's crossing (:mod:`._crossing`, one module per
-   device kind: :mod:`._crossing_cpu`, :mod:`._crossing_cuda`, :mod:`._crossing_public`);
-3. cross: the route imports the gradients into JAX, zero-copy (DLPack);
-4. decide: one jitted ``amp_core`` call (:mod:`._bridge`'s cores, compiled once per gradient
-   structure and kept on disk by :mod:`._core_cache`; in a distributed job the local half, one
-   all-gather by :mod:`._distributed`, and the finish);
-5. cross back: the route exports the result (:class:`._bridge.Carry`: the next state and the
-   step's scalars) to torch, and :class:`._decision.Decision` hands out the multipliers
-   (:mod:`._fused`: to fused optimizers' kernels).
+Nothing here is public API. The public modules one level up (``grad_scaler``,
+``optimizer_step``, ``conditional_update``, ``diagnostics``, ...) use only the names below, and
+the engine never imports them (tests/test_import_graph.py holds both rules). A step goes
+``GradScaler.step`` -> :class:`ScalerEngine` (the lid, ``_scaler_engine.py``) ->
+``Decider``/``Decision`` (``_decision.py``) -> the jitted core (``_cores.py``). The rooms of the
+house and the path of one iteration: docs/architecture.md.
 """
+
+from torch_facade.amp._engine._carry import Slot
+from torch_facade.amp._engine._decision import params_of
+from torch_facade.amp._engine._dlpack import import_tensors
+from torch_facade.amp._engine._scaler_engine import ScalerEngine, engine_of, local_gradient, mark
+
+__all__ = [
+    "ScalerEngine",
+    "Slot",
+    "engine_of",
+    "import_tensors",
+    "local_gradient",
+    "mark",
+    "params_of",
+]

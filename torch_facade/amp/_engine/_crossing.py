@@ -14,11 +14,11 @@ Variants, each in a module of its own:
 * :mod:`~torch_facade.amp._engine._crossing_cuda`: one event and wait per decision on JAX's
   external-ready stream, then the lower-level import per tensor (no event per tensor, no host
   wait), with a device guard and a copy for views XLA:GPU would reject as unaligned;
-* :mod:`~torch_facade.amp._engine._crossing_public`: the public DLPack API, on any device.
+* :mod:`~torch_facade.amp._engine._crossing_dlpack`: the documented DLPack calls, on any device.
 
-A private variant is used only after its self-check passed on this jaxlib and this device (the
+A faster variant (jaxlib's lower-level calls) is used only after its self-check passed on this jaxlib and this device (the
 same memory, the same values, and on CUDA the ordering after torch's pending work); otherwise
-the public one: :func:`torch_facade.amp._engine._bridge.crossing_for` chooses, once per device. ROCm
+the DLPack one: :func:`torch_facade.amp._engine._bridge.crossing_for` chooses, once per device. ROCm
 builds of torch call their GPUs ``"cuda"`` and take the CUDA variant when its self-check passes
 there.
 """
@@ -39,7 +39,7 @@ class Crossing:
     """One way across, for the tensors of one torch device.
 
     Attributes:
-        name: ``"cpu"``, ``"cuda"`` or ``"public"`` (what the device check reports).
+        name: ``"cpu"``, ``"cuda"`` or ``"dlpack"`` (what the device check reports).
         import_many: ``tensors -> tuple of jax.Array`` over the same memory.
         export: ``jax.Array -> torch.Tensor`` over the same memory.
         host_is_device: results are complete when exported (the CPU): reading them on the host
@@ -55,7 +55,7 @@ class Crossing:
 
 def views_its_input(crossing: Callable[[Any], Any], probe: Any, result_type: type[Any]) -> bool:
     """Whether ``crossing(probe)`` (``probe``: float32 0..15) gives a ``result_type`` over the
-    same memory with the same values: the self-check of a private crossing."""
+    same memory with the same values: the self-check of a faster crossing."""
     try:
         result = crossing(probe)
         return (

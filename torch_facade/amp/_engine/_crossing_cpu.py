@@ -6,7 +6,7 @@ and a ``jnp.asarray``; the call below it takes ~7 us with ``torch.utils.dlpack.t
 warm, 110 us right after a backward pass); jaxlib's export below it about 1.5 us, and torch's
 ``torch._C._from_dlpack`` takes the capsule (what ``torch.utils.dlpack.from_dlpack`` calls for a
 capsule, after its own checks). These are private functions, so the pair is used only if it passes
-its self-check on this jaxlib and torch (same memory, same values); otherwise the public API is.
+its self-check on this jaxlib and torch (same memory, same values); otherwise the documented DLPack calls are.
 
 On the CPU the host is the device: an exported result is complete when torch sees it (jaxlib's
 export waits for it without a stream), and reading it costs nothing extra.
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import torch
 
-from torch_facade.amp._engine import _crossing_public
+from torch_facade.amp._engine import _crossing_dlpack
 from torch_facade.amp._engine._crossing import Crossing, views_its_input
 
 
@@ -29,11 +29,11 @@ def crossing() -> Crossing | None:
     importer, exporter = importer_or_none(), exporter_or_none()
     if importer is None and exporter is None:
         return None
-    public = _crossing_public.crossing(host_is_device=True)
+    dlpack = _crossing_dlpack.crossing(host_is_device=True)
     return Crossing(
-        name="cpu" if importer is not None else "public",
-        import_many=_many(importer) if importer is not None else public.import_many,
-        export=exporter or public.export,
+        name="cpu" if importer is not None else "dlpack",
+        import_many=_many(importer) if importer is not None else dlpack.import_many,
+        export=exporter or dlpack.export,
         host_is_device=True,
     )
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_facade.amp._engine import _crossing_public, _storage
+from torch_facade.amp._engine import _crossing_dlpack, _storage
 from torch_facade.amp._engine._crossing import Crossing, address
 
 # About 20 ms of device time at 1-2 GHz: long enough that an unordered read would see the zeros.
@@ -69,7 +69,7 @@ def crossing(device: torch.device, jax_device: Any | None = None) -> Crossing | 
         lambda: external.wait_stream(torch.cuda.current_stream(device)),
         convert_one,
     )
-    candidate = Crossing("cuda", import_many, _crossing_public.export, host_is_device=False)
+    candidate = Crossing("cuda", import_many, _crossing_dlpack.export, host_is_device=False)
     if self_check(candidate, device):
         last_failure = None
         return candidate

@@ -27,18 +27,20 @@ import jax
 import torch
 
 import amp_core
-from torch_facade.amp._engine import _bridge, _crossing, _distributed, _gradients
+from torch_facade.amp._engine import _carry, _cores, _crossing, _distributed, _dlpack, _gradients
+from torch_facade.amp._engine._carry import Carry, Slot
 
 _CPU = torch.device("cpu")
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Decision:
     """One iteration's overflow decision, taken once over every known optimizer's gradients.
 
     ``outputs`` is the jitted core's result, the next state packed with the step's scalars (a
-    :class:`~torch_facade.amp._engine._bridge.Carry`'s array), and ``packed`` torch's float32 view of it
-    (both ``None`` for static scaling, which never checks); :meth:`scalar` views one number.
+    :class:`~torch_facade.amp._engine._carry.Carry`'s array, laid out as
+    :class:`~torch_facade.amp._engine._carry.Slot` says), and ``packed`` torch's float32 view of
+    it (both ``None`` for static scaling, which never checks); the accessors read it.
 
     Each optimizer's gradients go from scaled to unscaled (and clipped) in one multiply by
     ``full``; or, when ``unscale_`` comes first with DLS + GCC, in two, as in the reference:
@@ -56,7 +58,7 @@ class Decision:
     # Parameters (by id) whose gradients were read; None for static scaling, which reads none.
     covered: frozenset[int] | None
     # The state that scaled this iteration's gradients.
-    before: _bridge.Carry
+    before: Carry
     outputs: jax.Array | None = None
     # The torch view of ``outputs`` as float32 (one host read gives every number).
     packed: torch.Tensor | None = None
@@ -92,17 +94,27 @@ class Decision:
         """
         if self.packed is None:
             return torch.tensor(True)
-        return self.packed[_FOUND_INF] == 0.0
+        return self.packed[Slot.FOUND_INF] == 0.0
 
     def global_norm(self) -> torch.Tensor | None:
         """The norm of this step's unscaled gradients, a new 0-d float32 tensor (no host
         synchronisation); ``None`` for static scaling."""
-        return None if self.packed is None else self.packed[_NORM].clone()
+        return None if self.packed is None else self.packed[Slot.GLOBAL_NORM].clone()
 
-    def scalar(self, name: str) -> torch.Tensor:
-        """A torch view of one of the step's numbers (a :class:`_bridge.StepScalars` field)."""
-        assert self.packed is not None  # dynamic decisions only
-        return self.packed[_bridge.scalar_index(name)]
+    def grad_scale(self) -> torch.Tensor:
+        """A torch view of what a fused optimizer divides the gradients by (dynamic only)."""
+        assert self.packed is not None
+        return self.packed[Slot.GRAD_SCALE]
+
+    def found_inf(self) -> torch.Tensor:
+        """A torch view of the overflow flag as a fused optimizer reads it (1.0 on overflow)."""
+        assert self.packed is not None
+        return self.packed[Slot.FOUND_INF]
+
+    def next_carry(self) -> Carry:
+        """The next state, as the core returned it (dynamic decisions only)."""
+        assert self.outputs is not None
+        return Carry(packed=self.outputs, device=self.device, view=self.packed)
 
     @property
     def state_before(self) -> amp_core.LossScaleState:
@@ -110,8 +122,8 @@ class Decision:
         return self.before.state
 
     def host_values(self) -> list[float] | None:
-        """The packed result as Python floats (the scalars at :func:`_bridge.scalar_index`; the
-        state's integer entries are bits, not numbers): one host read (a wait for the device on an
+        """The packed result as Python floats, by :class:`Slot` (the state's integer entries are
+        bits, not numbers): one host read (a wait for the device on an
         accelerator), done at most once. ``None`` for static scaling.
 
         Raises:
@@ -121,7 +133,7 @@ class Decision:
         """
         if self._host_values is None and self.packed is not None:
             self._host_values = self.packed.tolist()
-            if self._host_values[_CONSISTENT] != 1.0:
+            if self._host_values[Slot.CONSISTENT] != 1.0:
                 raise RuntimeError(
                     "the ranks' GradScalers disagree on the loss scale or its counters, so their "
                     "decisions were not taken together: every rank must load the same state_dict "
@@ -132,7 +144,14 @@ class Decision:
     def host_isfinite(self) -> bool:
         """``isfinite`` as a Python bool (see :meth:`host_values`)."""
         values = self.host_values()
-        return values is None or values[_FOUND_INF] == 0.0
+        return values is None or values[Slot.FOUND_INF] == 0.0
+
+    def host_stall_count(self) -> int:
+        """The next state's count of consecutive overflows at ``min_loss_scale`` (see
+        :meth:`host_values`; dynamic decisions only)."""
+        values = self.host_values()
+        assert values is not None
+        return int(values[Slot.STALL_COUNT])
 
     def host_values_known(self) -> bool:
         """Whether reading :meth:`host_values` now costs no wait for a device."""
@@ -196,16 +215,8 @@ class Decision:
         """``1 / loss_scale`` of the state that scaled this iteration's gradients (amp_core's)."""
         values = self.host_values()
         if values is not None:
-            return values[_UNSCALE]
-        return float(_bridge.inverse_scale(self.state_before))
-
-
-_FOUND_INF = _bridge.scalar_index("found_inf")
-_UNSCALE = _bridge.scalar_index("unscale")
-_MULTIPLIER = _bridge.scalar_index("multiplier")
-_CLIP = _bridge.scalar_index("clip_multiplier")
-_CONSISTENT = _bridge.scalar_index("consistent")
-_NORM = _bridge.state_index("global_norm")
+            return values[Slot.UNSCALE]
+        return float(_cores.inverse_scale(self.state_before))
 
 
 def multiply(optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
@@ -237,9 +248,9 @@ def _imports(
     is made once, then reused (if the import copied the buffer instead, it is made anew at
     every read, as any other unit's)."""
     if kept is None:
-        return _bridge.import_tensors(units)
+        return _dlpack.import_tensors(units)
     fresh_units = [unit for unit, pack in zip(units, kept, strict=True) if pack is None]
-    fresh = iter(_bridge.import_tensors(fresh_units) if fresh_units else ())
+    fresh = iter(_dlpack.import_tensors(fresh_units) if fresh_units else ())
     arrays = []
     for pack in kept:
         if pack is None:
@@ -247,7 +258,7 @@ def _imports(
             continue
         array = pack.imported
         if array is None:
-            (array,) = _bridge.import_tensors([pack.buffer])
+            (array,) = _dlpack.import_tensors([pack.buffer])
             # Kept only if it views the buffer: a copy would never see the next reads' values.
             if _crossing.address(array) == pack.buffer.data_ptr():
                 pack.imported = array
@@ -279,7 +290,7 @@ class Decider:
 
     def static(
         self,
-        carry: _bridge.Carry,
+        carry: Carry,
         params: Sequence[torch.Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
         identity: bool,
@@ -289,22 +300,32 @@ class Decider:
         Only the device of the gradients is looked at (static scaling reads no gradient).
         """
         if identity:
-            return Decision(None, None, None, {}, None, carry)
+            return Decision(
+                full=None, unscale=None, clip=None, pending={}, covered=None, before=carry
+            )
         state = carry.state
         device = _gradients.device_of(params) or _CPU
         cached = self._static
         if cached is None or cached[0] is not state or cached[1] != device:
-            placed = _bridge.place_state(state, device)
-            cached = (state, device, _bridge.to_torch(_bridge.inverse_scale(placed)))
+            placed = _dlpack.place_state(state, device)
+            cached = (state, device, _dlpack.to_torch(_cores.inverse_scale(placed)))
             self._static = cached
         multiplier = cached[2]
         pending = {id(o): multiplier for o in optimizers}
-        return Decision(multiplier, multiplier, None, pending, None, carry, device=device)
+        return Decision(
+            full=multiplier,
+            unscale=multiplier,
+            clip=None,
+            pending=pending,
+            covered=None,
+            before=carry,
+            device=device,
+        )
 
     def dynamic(
         self,
         config: amp_core.DynamicLossScale,
-        carry: _bridge.Carry,
+        carry: Carry,
         params: Sequence[torch.Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
     ) -> Decision:
@@ -320,33 +341,33 @@ class Decider:
         self._check_meshes(grads)
         device = grads.device or carry.device or _CPU
         before = carry.packed_on(device)
-        crossing = _bridge.crossing_for(device)
+        crossing = _dlpack.crossing_for(device)
         branch_free = not crossing.host_is_device
         steps = len(optimizers)
         count = self._counts.get((device, steps))
         if count is None:
-            count = self._counts[(device, steps)] = _bridge.counter_on(device, steps)
+            count = self._counts[(device, steps)] = _dlpack.counter_on(device, steps)
         collective = _distributed.collective(self.process_group)
         if collective is None:
             arrays = _imports(grads.sharded + grads.replicated, grads.kept)
-            out = _bridge.local_core(config, branch_free)(before, arrays, count)
+            out = _cores.local_core(config, branch_free)(before, arrays, count)
             keep: tuple[Any, ...] = ()
         else:
-            sharded = _bridge.import_tensors(grads.sharded)
+            sharded = _dlpack.import_tensors(grads.sharded)
             replicated = _imports(grads.replicated, grads.kept)
-            partials = _bridge.to_torch(
-                _bridge.partials_core(branch_free)(before, sharded, replicated)
+            partials = _dlpack.to_torch(
+                _cores.partials_core(branch_free)(before, sharded, replicated)
             )
             gathered = collective.gather(partials)
-            out = _bridge.distributed_core(config)(before, _bridge.to_jax(gathered), count)
+            out = _cores.distributed_core(config)(before, _dlpack.to_jax(gathered), count)
             keep = (partials, gathered)
-        packed = _bridge.exported_carry(out, crossing)  # the imports may go once this returns
-        full = packed[_MULTIPLIER]
+        packed = _carry.exported_carry(out, crossing)  # the imports may go once this returns
+        full = packed[Slot.MULTIPLIER]
         clips = config.clips
         decision = Decision(
             full=full,
-            unscale=packed[_UNSCALE] if clips else None,
-            clip=packed[_CLIP] if clips else None,
+            unscale=packed[Slot.UNSCALE] if clips else None,
+            clip=packed[Slot.CLIP_MULTIPLIER] if clips else None,
             pending=dict.fromkeys(map(id, optimizers), full),
             covered=grads.covered,
             before=carry,

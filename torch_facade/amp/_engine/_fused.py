@@ -87,9 +87,9 @@ class FusedSteps:
         still_scaled = decision.pending.pop(id(optimizer), None) is not None
         if still_scaled:
             decision.to_kernel.add(id(optimizer))
-        grad_scale = decision.scalar("grad_scale") if still_scaled else None
+        grad_scale = decision.grad_scale() if still_scaled else None
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = decision.scalar("found_inf")  # type: ignore[attr-defined]
+        optimizer.found_inf = decision.found_inf()  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
         finally:

@@ -1,10 +1,11 @@
-"""The public crossing: ``jax.dlpack.from_dlpack`` and ``torch.from_dlpack``, on any device.
+"""The DLPack crossing: the documented ``jax.dlpack.from_dlpack`` and ``torch.from_dlpack``, on any
+device.
 
-The fallback of every private crossing. On a GPU each import hands JAX one of the device's
+The fallback of every faster crossing. On a GPU each import hands JAX one of the device's
 external-ready streams; torch records an event on its current stream and makes that stream wait
 on it, so JAX's read is ordered after torch's pending work, with no host wait. Each export makes
-torch's current stream wait on the JAX result's event (a device-side wait). Costs about 90 us a
-tensor on the CPU here (estimated 100-130 us on a GPU: an event and a stream per tensor).
+torch's current stream wait on the JAX result's event (a device-side wait). It is the slowest
+crossing per tensor (an event and a stream per tensor on a GPU; docs/performance-notes.md).
 
 ``__dlpack__`` refuses a CUDA tensor that is not on the current device, so imports run under a
 device guard; views XLA:GPU would reject as unaligned are copied first.
@@ -23,8 +24,8 @@ from torch_facade.amp._engine._crossing import Crossing
 
 
 def crossing(*, host_is_device: bool) -> Crossing:
-    """The public crossing (``host_is_device``: see :class:`~torch_facade.amp._engine._crossing.Crossing`)."""
-    return Crossing("public", import_many, export, host_is_device)
+    """The DLPack crossing (``host_is_device``: see :class:`~torch_facade.amp._engine._crossing.Crossing`)."""
+    return Crossing("dlpack", import_many, export, host_is_device)
 
 
 def import_many(tensors: Sequence[torch.Tensor]) -> tuple[jax.Array, ...]:

@@ -18,27 +18,18 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 import amp_core
-from torch_facade.amp import _amp_state, _caller
-
-
-class GradScaler(Protocol):
-    """What this module reads of a ``cstorch.amp.GradScaler`` (no import of it: no cycle)."""
-
-    @property
-    def config(self) -> amp_core.LossScaleConfig: ...
-    def get_scale(self) -> torch.Tensor | float: ...
-
+from torch_facade.amp import _caller, _half_state
 
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 """65504: a loss scale above it overflows any float16 loss of magnitude 1 or more."""
 
-_CHECKED: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+_CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _float16_gradients(params: Iterable[torch.Tensor]) -> bool:
@@ -49,7 +40,7 @@ def message(scale: float) -> str:
     """The warning's text for a scaler whose first decision found the scale ``scale``.
 
     Example:
-        >>> from torch_facade.amp._cbfloat16_notice import message
+        >>> from torch_facade.amp._engine._cbfloat16_notice import message
         >>> "cbfloat16_numerics" in message(2.0**31) and "init_scale=2**15" in message(2.0**31)
         True
     """
@@ -65,31 +56,32 @@ def message(scale: float) -> str:
     )
 
 
-def check(scaler: GradScaler, params: Iterable[torch.Tensor]) -> None:
+def check(
+    owner: Any,
+    config: amp_core.LossScaleConfig,
+    scale: Callable[[], float],
+    params: Iterable[torch.Tensor],
+) -> None:
     """Warns once per scaler, at its first decision, when cbfloat16 defaults meet float16.
 
-    The scaler calls it at every overflow decision, with the parameters whose gradients the
+    The engine calls it at every overflow decision, with the parameters whose gradients the
     decision read; it clears the record of a cbfloat16-proxy autocast each time, and only
     looks at a scaler's first decision.
 
     Args:
-        scaler: the deciding ``GradScaler``.
+        owner: the deciding scaler's engine (remembered, weakly, once looked at).
+        config: its configuration.
+        scale: reads its current loss scale (a host read, made at most once per scaler).
         params: the parameters whose gradients the decision read.
-
-    Example:
-        >>> import torch_facade as cstorch
-        >>> from torch_facade.amp import _cbfloat16_notice
-        >>> _cbfloat16_notice.check(cstorch.amp.GradScaler(loss_scale="dynamic"), [])
     """
-    proxy_autocast = _amp_state.take_proxy_autocast_seen()
-    if scaler in _CHECKED:
+    proxy_autocast = _half_state.take_proxy_autocast_seen()
+    if owner in _CHECKED:
         return
-    _CHECKED.add(scaler)
-    config = scaler.config
+    _CHECKED.add(owner)
     if not isinstance(config, amp_core.DynamicLossScale) or config.half_dtype != "cbfloat16":
         return
     if not (proxy_autocast or _float16_gradients(params)):
         return
-    scale = float(scaler.get_scale())  # once per scaler: one host read
-    if scale > FLOAT16_MAX:
-        warnings.warn(message(scale), UserWarning, stacklevel=_caller.stacklevel())
+    value = scale()
+    if value > FLOAT16_MAX:
+        warnings.warn(message(value), UserWarning, stacklevel=_caller.stacklevel())

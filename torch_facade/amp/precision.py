@@ -1,4 +1,11 @@
-"""The process-wide half dtype and mixed-precision switch (SPEC section 6)."""
+"""``cstorch.amp``'s precision settings: the half dtype, the mixed-precision switch, autocast.
+
+The process-wide settings of SPEC section 6 (the record itself is
+:mod:`torch_facade.amp._half_state`). Public: the names in ``__all__``, re-exported as
+``cstorch.amp.*``. Internal, for the facade's own modules (no stability promise):
+:func:`autocast_off`, :func:`autocast_device_types`, :func:`casts_disabled` and
+:func:`are_casts_disabled`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,8 @@ from typing import Any
 
 import torch
 
-from hardware.half_dtypes import DEFAULT_HALF_DTYPE, HALF_DTYPES
+from hardware.half_dtypes import HALF_DTYPES
+from torch_facade.amp._half_state import STATE
 from torch_facade.amp._host_side import host_side
 
 _PROXY_DTYPES: dict[str, torch.dtype] = {
@@ -20,18 +28,17 @@ _PROXY_DTYPES: dict[str, torch.dtype] = {
     "cbfloat16": torch.float16,
 }
 
-
-class _AmpState:
-    half_dtype: str = DEFAULT_HALF_DTYPE
-    enabled: bool = False
-    # How many cstorch.amp.disable_casts() contexts are open (they turn autocast() off).
-    casts_disabled: int = 0
-    # Whether autocast() ran with the cbfloat16 proxy since the last overflow decision or
-    # set_half_dtype() (read and cleared at every decision, for the cbfloat16 notice).
-    proxy_autocast_seen: bool = False
-
-
-_STATE = _AmpState()
+__all__ = [
+    "autocast",
+    "enable_mixed_precision",
+    "get_floating_point_dtype",
+    "get_floating_point_dtype_str",
+    "get_half_dtype",
+    "get_half_dtype_str",
+    "is_cbfloat16_tensor",
+    "mixed_precision",
+    "set_half_dtype",
+]
 
 
 def _half_dtype_name(value: Any) -> str:
@@ -72,9 +79,9 @@ def set_half_dtype(value: str | torch.dtype) -> torch.dtype:
         >>> _ = cstorch.amp.set_half_dtype("float16"); _ = cstorch.amp.enable_mixed_precision(False)
     """
     name = _half_dtype_name(value)
-    _STATE.half_dtype = name
-    _STATE.enabled = True
-    _STATE.proxy_autocast_seen = False  # a new setting starts a new record (cbfloat16 notice)
+    STATE.half_dtype = name
+    STATE.enabled = True
+    STATE.proxy_autocast_seen = False  # a new setting starts a new record (cbfloat16 notice)
     return _PROXY_DTYPES[name]
 
 
@@ -86,7 +93,7 @@ def get_half_dtype() -> torch.dtype:
         >>> cstorch.amp.get_half_dtype()
         torch.float16
     """
-    return _PROXY_DTYPES[_STATE.half_dtype]
+    return _PROXY_DTYPES[STATE.half_dtype]
 
 
 def get_half_dtype_str() -> str:
@@ -97,7 +104,7 @@ def get_half_dtype_str() -> str:
         >>> cstorch.amp.get_half_dtype_str()
         'float16'
     """
-    return _STATE.half_dtype
+    return STATE.half_dtype
 
 
 @host_side
@@ -122,8 +129,8 @@ def enable_mixed_precision(enable: bool = True) -> bool:
     """
     if not isinstance(enable, bool):
         raise TypeError(f"enable must be a bool; got {enable!r} ({type(enable).__name__})")
-    _STATE.enabled = enable
-    return _STATE.enabled
+    STATE.enabled = enable
+    return STATE.enabled
 
 
 def mixed_precision() -> bool:
@@ -134,7 +141,7 @@ def mixed_precision() -> bool:
         >>> cstorch.amp.mixed_precision()
         False
     """
-    return _STATE.enabled
+    return STATE.enabled
 
 
 def get_floating_point_dtype(default: torch.dtype = torch.float32) -> torch.dtype:
@@ -145,7 +152,7 @@ def get_floating_point_dtype(default: torch.dtype = torch.float32) -> torch.dtyp
         >>> cstorch.amp.get_floating_point_dtype()
         torch.float32
     """
-    return get_half_dtype() if _STATE.enabled else default
+    return get_half_dtype() if STATE.enabled else default
 
 
 def get_floating_point_dtype_str(default: str = "float32") -> str:
@@ -173,7 +180,7 @@ def get_floating_point_dtype_str(default: str = "float32") -> str:
     """
     if not isinstance(default, str):
         raise TypeError(f"default must be a str; got {default!r} ({type(default).__name__})")
-    return _STATE.half_dtype if _STATE.enabled else default
+    return STATE.half_dtype if STATE.enabled else default
 
 
 def is_cbfloat16_tensor(tensor: torch.Tensor) -> bool:
@@ -192,7 +199,7 @@ def is_cbfloat16_tensor(tensor: torch.Tensor) -> bool:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor; got {type(tensor).__name__}")
-    return _STATE.enabled and _STATE.half_dtype == "cbfloat16" and tensor.dtype is torch.float16
+    return STATE.enabled and STATE.half_dtype == "cbfloat16" and tensor.dtype is torch.float16
 
 
 @contextlib.contextmanager
@@ -249,7 +256,7 @@ def autocast_off(device_type: str) -> Iterator[None]:
 
     Example:
         >>> import torch
-        >>> from torch_facade.amp._amp_state import autocast_off
+        >>> from torch_facade.amp.precision import autocast_off
         >>> with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off("cpu"):
         ...     torch.is_autocast_enabled("cpu")
         False
@@ -299,7 +306,7 @@ def autocast_device_types(device_type: str | torch.device | None = None) -> tupl
     CUDA when torch sees a GPU.
 
     Example:
-        >>> from torch_facade.amp._amp_state import autocast_device_types
+        >>> from torch_facade.amp.precision import autocast_device_types
         >>> autocast_device_types("cpu")
         ('cpu',)
     """
@@ -359,11 +366,11 @@ def autocast(
     if isinstance(dtype, torch.dtype):
         torch_dtype, name = dtype, None
     else:
-        name = _STATE.half_dtype if dtype is None else _half_dtype_name(dtype)
+        name = STATE.half_dtype if dtype is None else _half_dtype_name(dtype)
         torch_dtype = _PROXY_DTYPES[name]
     device_types = autocast_device_types(device_type)
     with contextlib.ExitStack() as stack:
-        if _STATE.casts_disabled:
+        if STATE.casts_disabled:
             for each in device_types:
                 stack.enter_context(autocast_off(each))
         else:
@@ -376,21 +383,8 @@ def autocast(
                     )
                 stack.enter_context(_checked_autocast(each, torch_dtype, note))
             if name == "cbfloat16":
-                _STATE.proxy_autocast_seen = True
+                STATE.proxy_autocast_seen = True
         yield
-
-
-def take_proxy_autocast_seen() -> bool:
-    """Whether :func:`autocast` ran with the cbfloat16 proxy since the last call (which clears
-    it) or the last :func:`set_half_dtype`.
-
-    Example:
-        >>> from torch_facade.amp._amp_state import take_proxy_autocast_seen
-        >>> _ = take_proxy_autocast_seen(); take_proxy_autocast_seen()
-        False
-    """
-    seen, _STATE.proxy_autocast_seen = _STATE.proxy_autocast_seen, False
-    return seen
 
 
 @contextlib.contextmanager
@@ -398,23 +392,23 @@ def casts_disabled() -> Iterator[None]:
     """Turns :func:`autocast` off while open (see :func:`torch_facade.amp.disable_casts`).
 
     Example:
-        >>> from torch_facade.amp._amp_state import casts_disabled
+        >>> from torch_facade.amp.precision import casts_disabled
         >>> with casts_disabled():
         ...     pass
     """
-    _STATE.casts_disabled += 1
+    STATE.casts_disabled += 1
     try:
         yield
     finally:
-        _STATE.casts_disabled -= 1
+        STATE.casts_disabled -= 1
 
 
 def are_casts_disabled() -> bool:
     """Whether a :func:`casts_disabled` context is open.
 
     Example:
-        >>> from torch_facade.amp._amp_state import are_casts_disabled
+        >>> from torch_facade.amp.precision import are_casts_disabled
         >>> are_casts_disabled()
         False
     """
-    return _STATE.casts_disabled > 0
+    return STATE.casts_disabled > 0

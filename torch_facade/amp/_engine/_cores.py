@@ -1,0 +1,160 @@
+"""The jitted cores the engine calls: every number of a decision comes out of ``amp_core`` here.
+
+The cores only read gradients (they stay torch-owned: XLA could not write into them anyway) and
+return one small array, the next carry (:mod:`~torch_facade.amp._engine._carry`), so no large
+XLA output is ever allocated.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import amp_core
+from torch_facade.amp._engine import _core_cache
+from torch_facade.amp._engine._carry import Slot, pack, unpack
+
+
+def _finish(
+    config: amp_core.LossScaleConfig,
+    state: amp_core.LossScaleState,
+    sum_of_squares: jax.Array,
+    optimizer_steps: jax.Array,
+    consistent: jax.Array,
+) -> jax.Array:
+    result = amp_core.check_sum_and_update(
+        config, state, sum_of_squares, optimizer_steps=optimizer_steps
+    )
+    grad_scale, found_inf = amp_core.fused_optimizer_args(result)
+    clip = amp_core.check_sum_of_squares(config, state, sum_of_squares, unscaled=True).multiplier
+    next_state = result.next_state
+    scalars = {
+        Slot.MULTIPLIER: result.multiplier,
+        Slot.GRAD_SCALE: grad_scale,
+        Slot.FOUND_INF: found_inf,
+        Slot.NEXT_LOSS_SCALE: next_state.loss_scale,
+        Slot.UNSCALE: amp_core.inverse_scale(state),
+        Slot.STALL_COUNT: next_state.overflows_at_min_scale.astype(jnp.float32),
+        Slot.CONSISTENT: consistent.astype(jnp.float32),
+        Slot.CLIP_MULTIPLIER: clip,
+    }
+    return pack(next_state, jnp.stack([scalars[slot] for slot in sorted(scalars)]))
+
+
+def _local_step(
+    config: amp_core.LossScaleConfig,
+    branch_free: bool,
+    carry: jax.Array,
+    grads: tuple[jax.Array, ...],
+    optimizer_steps: jax.Array,
+) -> jax.Array:
+    state = unpack(carry)
+    inv = amp_core.inverse_scale(state)
+    total = amp_core.sum_of_unscaled_squares(grads, inv, branch_free=branch_free)
+    return _finish(config, state, total, optimizer_steps, jnp.asarray(True))
+
+
+def _partials(
+    branch_free: bool,
+    carry: jax.Array,
+    sharded: tuple[jax.Array, ...],
+    replicated: tuple[jax.Array, ...],
+) -> jax.Array:
+    state = unpack(carry)
+    inv = amp_core.inverse_scale(state)
+    return jnp.stack(
+        [
+            amp_core.sum_of_unscaled_squares(sharded, inv, branch_free=branch_free),
+            amp_core.sum_of_unscaled_squares(replicated, inv, branch_free=branch_free),
+            *_fingerprint(state),
+        ]
+    )
+
+
+def _fingerprint(state: amp_core.LossScaleState) -> list[jax.Array]:
+    """What every rank's scaler must agree on before a joint decision (as float32)."""
+    return [
+        state.loss_scale,
+        state.steps_since_rescale.astype(jnp.float32),
+        state.overflows_since_rescale.astype(jnp.float32),
+    ]
+
+
+def _distributed_step(
+    config: amp_core.LossScaleConfig,
+    carry: jax.Array,
+    gathered: jax.Array,
+    optimizer_steps: jax.Array,
+) -> jax.Array:
+    state = unpack(carry)
+    total = amp_core.combine_partials(gathered[:, :2])
+    consistent = jnp.all(gathered[:, 2:] == jnp.stack(_fingerprint(state)))
+    return _finish(config, state, total, optimizer_steps, consistent)
+
+
+def local_core(config: amp_core.LossScaleConfig, branch_free: bool = False) -> Any:
+    """One process: read the gradients, decide, update. Compiles once per gradient structure.
+
+    Called as ``core(carry, grads, optimizer_steps)``: the packed state (see :class:`Carry`),
+    the gradients' JAX views, the optimizer step count; returns the next carry.
+
+    ``branch_free``: no ``lax.cond`` inside (accelerators, where XLA would evaluate its
+    predicate on the host; see :func:`amp_core.sum_of_unscaled_squares`).
+    """
+    return _local_core(config, branch_free)
+
+
+@functools.cache
+def _local_core(config: amp_core.LossScaleConfig, branch_free: bool) -> Any:
+    jitted = jax.jit(functools.partial(_local_step, config, branch_free))
+    return _core_cache.persistent(jitted, f"local branch_free={branch_free} {config!r}")
+
+
+def partials_core(branch_free: bool = False) -> Any:
+    """A distributed job's local half: this rank's sharded and replicated sums, and the scale and
+    counters every rank must agree on (``float32[5]``), from ``(carry, sharded, replicated)``."""
+    return _partials_core(branch_free)
+
+
+@functools.cache
+def _partials_core(branch_free: bool) -> Any:
+    return jax.jit(functools.partial(_partials, branch_free))
+
+
+@functools.cache
+def distributed_core(config: amp_core.LossScaleConfig) -> Any:
+    """A distributed job's finish, ``core(carry, gathered, optimizer_steps)``, from every rank's
+    gathered partials (``float32[ranks, 5]``); returns the next carry."""
+    return jax.jit(functools.partial(_distributed_step, config))
+
+
+@functools.cache
+def _inverse_scale_core() -> Any:
+    return jax.jit(amp_core.inverse_scale)
+
+
+def inverse_scale(state: amp_core.LossScaleState) -> jax.Array:
+    """``1 / loss_scale`` from amp_core, jitted."""
+    return _inverse_scale_core()(state)
+
+
+@functools.cache
+def _recount_core() -> Any:
+    return jax.jit(amp_core.recount_skipped_steps)
+
+
+def recount_skipped_steps(
+    previous: amp_core.LossScaleState, state: amp_core.LossScaleState, optimizer_steps: int
+) -> amp_core.LossScaleState:
+    """``amp_core.recount_skipped_steps``, jitted (the step count is data: no recompiles)."""
+    steps = jax.device_put(jnp.int32(optimizer_steps), next(iter(state.loss_scale.devices())))
+    return _recount_core()(previous, state, steps)
+
+
+@functools.cache
+def report_core() -> Any:
+    """``amp_core.nonfinite_report``, jitted (diagnostics only; never on the hot path)."""
+    return jax.jit(amp_core.nonfinite_report)
