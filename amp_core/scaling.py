@@ -3,6 +3,10 @@
 Every function is jittable and free of host synchronisation; ``config`` is static (hashable),
 ``state`` and the gradients are data. Reductions accumulate in float32; element-wise results keep
 each gradient's dtype.
+
+The names that are not in ``amp_core.__all__`` and carry no leading underscore
+(:func:`in_step_sum_of_unscaled_squares`, :func:`check_and_update_in_step`) are internal to
+the package: shared between its modules, with no stability promise.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def sum_of_unscaled_squares(
     return total
 
 
-def _in_step_sum_of_unscaled_squares(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
+def in_step_sum_of_unscaled_squares(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.Array:
     """``sum((g * inv_scale)**2)`` inside a jitted step, each leaf read as its source allows.
 
     On the CPU, where a gradient comes from decides how it is best read:
@@ -149,15 +153,15 @@ def _in_step_sum_of_unscaled_squares(grads: Any, inv_scale: jax.typing.ArrayLike
       leaf and nothing written.
     * **Computed by the same XLA program** (the backward pass): XLA:CPU never fuses an
       element-wise producer into a reduction, so every such gradient is written out before it is
-      summed, and its default scheduler runs all 148 writes (at 28M parameters) before the first
-      sum, so they are alive together: 112 MB of temporary memory that is fresh (page-faulted)
-      on every call. So each leaf's unscaled values go through ``where(isnan(total_so_far), nan,
-      g * inv)`` before they are squared and summed, ``total_so_far`` being the sum over the
-      leaves before it. A select is not fused into the reduction, so the write of leaf ``i``
-      waits for the sum of leaf ``i - 1``, one leaf is alive at a time (memory the allocator
-      reuses), and the unscale multiply rides in the write that happens anyway. The result is
-      bit-identical to the branch-free sum: the running total only becomes NaN where the plain
-      sum is NaN from then on, and ``inf`` is kept as ``inf``.
+      summed, and its default scheduler runs all the writes before the first sum, so they are
+      alive together: temporary memory the size of all the gradients, fresh (page-faulted) on
+      every call (the figures: docs/performance-notes.md). So each leaf's unscaled values go
+      through ``where(isnan(total_so_far), nan, g * inv)`` before they are squared and summed,
+      ``total_so_far`` being the sum over the leaves before it. A select is not fused into the
+      reduction, so the write of leaf ``i`` waits for the sum of leaf ``i - 1``, one leaf is
+      alive at a time (memory the allocator reuses), and the unscale multiply rides in the write
+      that happens anyway. The result is bit-identical to the branch-free sum: the running total
+      only becomes NaN where the plain sum is NaN from then on, and ``inf`` is kept as ``inf``.
 
     The source is read from the tracer at trace time (JAX's jaxpr tracer records the equation
     that made a value; an input has none); a leaf whose source cannot be told counts as computed.
@@ -593,13 +597,13 @@ def check_and_update(
     )
 
 
-def _check_and_update_in_step(
+def check_and_update_in_step(
     config: LossScaleConfig, state: LossScaleState, grads: Any
 ) -> StepResult:
     """:func:`check_and_update` for gradients computed in the same jitted step (the optax
     wrapper, the fused apply, :func:`amp_core.value_and_grad`): the sum of squares is
-    :func:`_in_step_sum_of_unscaled_squares`."""
-    total = _in_step_sum_of_unscaled_squares(grads, inverse_scale(state))
+    :func:`in_step_sum_of_unscaled_squares`."""
+    total = in_step_sum_of_unscaled_squares(grads, inverse_scale(state))
     return check_sum_and_update(config, state, total)
 
 
@@ -652,9 +656,9 @@ def fused_optimizer_args(check: GradCheck | StepResult) -> tuple[jax.Array, jax.
 def select_if_finite(isfinite: jax.typing.ArrayLike, new_tree: Any, old_tree: Any) -> Any:
     """Leaf-wise ``new if isfinite else old``, for small trees such as the scaler state.
 
-    For whole parameter and optimizer-state trees prefer :func:`with_loss_scaling` (a
-    select placed where each new leaf is defined) or :func:`apply_scaled_gradients` (a
-    ``lax.cond``): a select at the end reads and writes every leaf twice.
+    For whole parameter and optimizer-state trees prefer :func:`with_loss_scaling` or
+    :func:`apply_scaled_gradients` (both place a select where each new leaf is defined): a
+    select at the end reads and writes every leaf twice.
 
     Raises:
         ValueError: the two trees differ in structure.

@@ -1,11 +1,13 @@
-"""optax integration and a ``value_and_grad`` helper: loss scaling in a few lines of a train step."""
+"""optax integration and a ``value_and_grad`` helper: loss scaling in a few lines of a train step.
+
+The transformation is here; how it skips an overflowed step without ``lax.cond`` is in
+:mod:`amp_core.select_where_defined`, and the guards on its composition with ``optax.MultiSteps``
+and ``optax.chain`` are in :mod:`amp_core.composition_guards`.
+"""
 
 from __future__ import annotations
 
 import copy
-import sys
-import types
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -13,18 +15,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
-from jax.extend.core.primitives import jit_p
 
+from amp_core.composition_guards import (
+    is_default_skip_fn,
+    multi_steps_of,
+    refuse_inside_multi_steps,
+    warn_if_chained_after_others,
+)
 from amp_core.config import DynamicLossScale, LossScaleConfig, StaticLossScale
 from amp_core.scaling import (
-    _check_and_update_in_step,
-    _in_step_sum_of_unscaled_squares,
     apply_multiplier,
+    check_and_update_in_step,
     check_sum_of_squares,
+    in_step_sum_of_unscaled_squares,
     inverse_scale,
     scale_loss,
 )
+from amp_core.select_where_defined import update_or_keep
 from amp_core.state import LossScaleState, init
 
 
@@ -143,7 +150,7 @@ def with_loss_scaling(
         >>> float(scaler.loss_scale), int(scaler.num_skipped_steps), acc_state.acc_grads["w"]
         (512.0, 1, Array([0., 0., 0.], dtype=float32))
     """
-    multi_steps = _multi_steps_of(inner)
+    multi_steps = multi_steps_of(inner)
     if multi_steps is None and not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "inner must be an optax.GradientTransformation or an optax.MultiSteps; "
@@ -172,8 +179,8 @@ def _loss_scaled(
 
     def init_fn(params: optax.Params) -> LossScaledState:
         if not inside_multi_steps:
-            _refuse_inside_multi_steps()
-            _warn_if_chained_after_others()
+            refuse_inside_multi_steps()
+            warn_if_chained_after_others()
         return LossScaledState(scaler=init(config), inner_state=inner.init(params))
 
     def update_fn(
@@ -188,78 +195,6 @@ def _loss_scaled(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _multi_steps_of(inner: Any) -> optax.MultiSteps | None:
-    """The ``optax.MultiSteps`` that ``inner`` is, or whose ``gradient_transformation()`` it is."""
-    if isinstance(inner, optax.MultiSteps):
-        return inner
-    if isinstance(inner, optax.GradientTransformation):
-        owner = getattr(inner.update, "__self__", None)
-        if isinstance(owner, optax.MultiSteps) and inner.update == owner.update:
-            return owner
-    return None
-
-
-_MULTI_STEPS_INIT = optax.MultiSteps.init.__code__
-
-
-def _refuse_inside_multi_steps() -> None:
-    """Raises if an ``optax.MultiSteps.init`` is on the call stack (``init`` is called once).
-
-    The wrapped transformation cannot see MultiSteps' accumulator, whose reset (a multiply by
-    zero) keeps the NaN of an overflowed accumulated step: the order cannot hold the rule.
-    """
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _MULTI_STEPS_INIT:
-            raise ValueError(
-                "optax.MultiSteps(amp_core.with_loss_scaling(tx, config), k) cannot hold the "
-                "loss scaler's accumulation rule: MultiSteps resets its accumulator by "
-                "multiplying it by zero, which keeps the NaN of an overflowed accumulated step, "
-                "so every later step would be skipped. Put the scaler outside: "
-                "amp_core.with_loss_scaling(optax.MultiSteps(tx, k), config)"
-            )
-        frame = frame.f_back
-
-
-def _chain_init_generator() -> types.CodeType | None:
-    """The code of the generator that ``optax.chain``'s ``init`` runs its elements' inits in."""
-    code = getattr(optax.chain(optax.identity()).init, "__code__", None)
-    found = [c for c in (code.co_consts if code else ()) if isinstance(c, types.CodeType)]
-    return found[0] if len(found) == 1 else None
-
-
-_CHAIN_INIT_GENERATOR = _chain_init_generator()
-
-
-def _warn_if_chained_after_others() -> None:
-    """Warns if an ``optax.chain`` on the call stack runs other transformations before this one.
-
-    They receive the *scaled* gradients: ``optax.chain(optax.clip_by_global_norm(1.0),
-    with_loss_scaling(tx, config))`` clips gradients ``loss_scale`` times too large. Found from
-    ``init`` (called once) by the element the chain's generator is initializing; a warning, not
-    an error, because a transformation that is linear in the gradients (``optax.scale``) is
-    harmless there. Where optax's chain is built otherwise, nothing is found and nothing warned.
-    """
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None and _CHAIN_INIT_GENERATOR is not None:
-        if frame.f_code is _CHAIN_INIT_GENERATOR and frame.f_back is not None:
-            current = frame.f_locals.get("fn")
-            elements = frame.f_back.f_locals.get("init_fns", ())
-            position = next((i for i, fn in enumerate(elements) if fn is current), 0)
-            if position > 0:
-                warnings.warn(
-                    f"amp_core.with_loss_scaling is element {position} of an optax.chain: the "
-                    f"{position} transformation(s) before it receive the *scaled* gradients "
-                    "(a clip_by_global_norm there clips gradients loss_scale times too large). "
-                    "Put them inside the scaler: amp_core.with_loss_scaling(optax.chain(..., "
-                    "tx), config), or clip with DynamicLossScale(max_gradient_norm=...)",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                return
-        frame = frame.f_back
-
-
 def _accumulating(
     multi_steps: optax.MultiSteps, config: LossScaleConfig
 ) -> optax.GradientTransformationExtraArgs:
@@ -271,7 +206,7 @@ def _accumulating(
     effect once per accumulated step. Its accumulator reset, ``(1 - emit) * acc``, is replaced
     by ``where(emitted, 0, acc)``, so that the NaN of an overflowed step does not carry over.
     """
-    if not _is_default_skip_fn(getattr(multi_steps, "_should_skip_update_fn", None)):
+    if not is_default_skip_fn(getattr(multi_steps, "_should_skip_update_fn", None)):
         raise ValueError(
             "with_loss_scaling takes the skip decision itself: an optax.MultiSteps with a "
             "should_skip_update_fn would drop overflowed micro-batches before the loss scaler "
@@ -284,8 +219,8 @@ def _accumulating(
     accumulator._opt = scaled  # optax.MultiSteps keeps its inner transformation in ``_opt``
 
     def init_fn(params: optax.Params) -> optax.MultiStepsState:
-        _refuse_inside_multi_steps()
-        _warn_if_chained_after_others()
+        refuse_inside_multi_steps()
+        warn_if_chained_after_others()
         return accumulator.init(params)
 
     def update_fn(
@@ -307,11 +242,6 @@ def _accumulating(
         return new_updates, new_state._replace(acc_grads=clean)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _is_default_skip_fn(fn: Any) -> bool:
-    """Whether ``fn`` is the never-skip function MultiSteps puts in place of ``None``."""
-    return getattr(fn, "__qualname__", None) == "MultiSteps.__init__.<locals>.should_skip_update_fn"
 
 
 def step_applied(opt_state: Any) -> jax.Array:
@@ -361,11 +291,12 @@ def _scaled_update(
     """The update of :func:`with_loss_scaling` (and of :func:`apply_scaled_gradients`).
 
     The check reads each gradient as its source allows
-    (:func:`amp_core.scaling._in_step_sum_of_unscaled_squares`), the unscale multiply (and the
+    (:func:`amp_core.scaling.in_step_sum_of_unscaled_squares`), the unscale multiply (and the
     clip coefficient) then fuse into the inner update's passes, and on overflow
-    :func:`_update_or_keep` keeps the old state and returns ``-0.0`` updates.
+    :func:`amp_core.select_where_defined.update_or_keep` keeps the old state and returns
+    ``-0.0`` updates.
     """
-    check = _check_and_update_in_step(config, state.scaler, grads)
+    check = check_and_update_in_step(config, state.scaler, grads)
     unscaled = apply_multiplier(grads, check.multiplier)
 
     def inner_update(
@@ -374,146 +305,12 @@ def _scaled_update(
         return inner.update(grads, inner_state, params, **extra_args)
 
     if config.is_dynamic:
-        new_updates, inner_state = _update_or_keep(
+        new_updates, inner_state = update_or_keep(
             inner_update, check.isfinite, unscaled, state.inner_state
         )
     else:  # static scaling never skips
         new_updates, inner_state = inner_update(unscaled, state.inner_state)
     return new_updates, LossScaledState(check.next_state, inner_state)
-
-
-def _update_or_keep(
-    inner_update: Callable[[Any, Any], tuple[Any, Any]],
-    isfinite: jax.Array,
-    grads: Any,
-    inner_state: Any,
-) -> tuple[Any, Any]:
-    """``inner_update(grads, inner_state)`` if ``isfinite``, else ``(-0.0 updates, inner_state)``.
-
-    Why not ``lax.cond``: a branch must hand its updates out as a whole new array, which
-    ``optax.apply_updates`` then reads; under ``jit`` that array is an XLA temporary, fresh (and
-    page-faulted) memory on every call. At 28M parameters (``python -m benchmarks``, size M) the
-    step cost 2.2x plain AdamW that way. Why not a select at the end: the updates are computed
-    from the *unselected* new moments, which XLA recomputes from the old ones after writing the
-    selected ones in place, so it copies every state leaf first (3.5x).
-
-    Instead the inner update is traced to a jaxpr and replayed, and every value that becomes a
-    leaf of the new state is replaced, where it is defined, by ``select(isfinite, new, old)``.
-    Whatever the update computes from it afterwards reads the selected value, which equals the
-    new one whenever the step is applied, and the dataflow is that of the plain optimizer: each
-    state leaf is written once, in place, and read back by the updates. On overflow the state
-    leaves are the old ones, bit for bit, and the updates (computed from garbage) are replaced
-    by ``-0.0``.
-
-    Values defined inside a nested ``jit`` are selected inside its body (replayed inline);
-    values defined inside other control flow are selected after it (correct, but XLA may then
-    copy them).
-    """
-    closed, shapes = jax.make_jaxpr(inner_update, return_shape=True)(grads, inner_state)
-    new_updates_shape, new_state_shape = shapes
-    # Annotated: jax's own annotation of tree_structure does not resolve for mypy.
-    state_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(inner_state)
-    if jax.tree_util.tree_structure(new_state_shape) != state_def:
-        raise TypeError(
-            "inner.update must return a state of the structure it was given; got "
-            f"{jax.tree_util.tree_structure(new_state_shape)} for {state_def}"
-        )
-    updates_def: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(new_updates_shape)
-    jaxpr = closed.jaxpr
-    old_leaves = jax.tree_util.tree_leaves(inner_state)
-    state_in = jaxpr.invars[len(jaxpr.invars) - len(old_leaves) :]
-    state_out = jaxpr.outvars[updates_def.num_leaves :]
-
-    keep = _unique_slots(state_out, old_leaves, _defined_vars(jaxpr))
-    outs = _replay(closed, jax.tree_util.tree_leaves((grads, inner_state)), keep, isfinite)
-
-    # -0.0 is the exact additive identity: params + (-0.0) keeps -0.0, +0.0 and NaN.
-    new_updates = [
-        jax.lax.select(isfinite, u, jax.lax.full_like(u, -0.0))
-        for u in outs[: updates_def.num_leaves]
-    ]
-    new_state = []
-    for out_var, in_var, value, old in zip(
-        state_out, state_in, outs[updates_def.num_leaves :], old_leaves, strict=True
-    ):
-        already_kept = out_var is in_var or _is_in(out_var, keep)
-        new_state.append(value if already_kept else jax.lax.select(isfinite, value, old))
-    return (
-        jax.tree_util.tree_unflatten(updates_def, new_updates),
-        jax.tree_util.tree_unflatten(state_def, new_state),
-    )
-
-
-def _defined_vars(jaxpr: Jaxpr) -> set[Var]:
-    """The variables that ``jaxpr``'s equations define (not its inputs or constants)."""
-    return {v for eqn in jaxpr.eqns for v in eqn.outvars if not isinstance(v, DropVar)}
-
-
-def _unique_slots(
-    out_vars: Sequence[Any], olds: Sequence[Any], defined: set[Var]
-) -> dict[Var, Any]:
-    """Maps each defined variable that is exactly one state leaf to that leaf's old value.
-
-    A variable that is returned as two leaves has two old values to fall back on; it is selected
-    per leaf at the output instead.
-    """
-    slots: dict[Var, list[Any]] = {}
-    for var, old in zip(out_vars, olds, strict=True):
-        if _is_in(var, defined):
-            slots.setdefault(var, []).append(old)
-    return {var: found[0] for var, found in slots.items() if len(found) == 1}
-
-
-def _replay(
-    closed: ClosedJaxpr, args: Sequence[Any], keep: dict[Var, Any], isfinite: jax.Array
-) -> list[Any]:
-    """Evaluates ``closed`` on ``args``; each variable in ``keep`` is selected where defined."""
-    jaxpr = closed.jaxpr
-    env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, Literal) else env[atom]
-
-    for eqn in jaxpr.eqns:
-        inputs = [read(atom) for atom in eqn.invars]
-        body_keep, done = _kept_in_body(eqn, keep)
-        if body_keep:  # a nested jit defines kept values: replay its body, selecting inside
-            outputs = _replay(eqn.params["jaxpr"], inputs, body_keep, isfinite)
-        else:  # as jax.core.eval_jaxpr binds an equation
-            with eqn.ctx.manager:
-                outputs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outputs = [outputs]
-        for var, value in zip(eqn.outvars, outputs, strict=True):
-            if isinstance(var, DropVar):
-                continue
-            if var in keep and var not in done:
-                value = jax.lax.select(isfinite, value, keep[var])
-            env[var] = value
-    return [read(atom) for atom in jaxpr.outvars]
-
-
-def _kept_in_body(eqn: JaxprEqn, keep: dict[Var, Any]) -> tuple[dict[Var, Any], set[Var]]:
-    """For a ``jit`` equation that defines kept variables: the kept map of its body.
-
-    Returns:
-        ``(body_keep, done)``: the body's variables to select, with their old values, and the
-        equation's output variables whose values are thereby already selected.
-    """
-    if eqn.primitive is not jit_p or not any(var in keep for var in eqn.outvars):
-        return {}, set()
-    body = eqn.params["jaxpr"].jaxpr
-    pairs = [(inner, outer) for inner, outer in zip(body.outvars, eqn.outvars, strict=True)]
-    kept = [(inner, keep[outer]) for inner, outer in pairs if outer in keep]
-    body_keep = _unique_slots([v for v, _ in kept], [old for _, old in kept], _defined_vars(body))
-    done = {outer for inner, outer in pairs if outer in keep and _is_in(inner, body_keep)}
-    return body_keep, done
-
-
-def _is_in(atom: Any, variables: dict[Var, Any] | set[Var]) -> bool:
-    """``atom in variables`` for a jaxpr atom (literals are not hashable)."""
-    return isinstance(atom, Var) and atom in variables
 
 
 def apply_scaled_gradients(
@@ -567,7 +364,7 @@ def apply_scaled_gradients(
         >>> params["w"]
         Array([0.8, 0.8, 0.8], dtype=float32)
     """
-    if _multi_steps_of(inner) is not None:
+    if multi_steps_of(inner) is not None:
         raise TypeError(
             "apply_scaled_gradients takes one whole step and cannot accumulate over calls; got "
             "an optax.MultiSteps as inner. Sum the scaled micro-batch gradients and call "
@@ -780,7 +577,7 @@ def value_and_grad(
         )
         if isinstance(argnums, int):
             scaled_grads = scaled_grads[0]
-        total = _in_step_sum_of_unscaled_squares(scaled_grads, inverse_scale(state))
+        total = in_step_sum_of_unscaled_squares(scaled_grads, inverse_scale(state))
         check = check_sum_of_squares(config, state, total)
         grads = apply_multiplier(scaled_grads, check.multiplier)
         return value, grads, check.isfinite, check.global_norm

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 import amp_core
-from amp_core.scaling import _in_step_sum_of_unscaled_squares
+from amp_core.scaling import in_step_sum_of_unscaled_squares as _in_step_sum_of_unscaled_squares
 from benchmarks.jax_bench import gate_by
 from benchmarks.sizes import SizeSpec, shape_list
 from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group

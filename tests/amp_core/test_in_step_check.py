@@ -23,8 +23,8 @@ from amp_core.scaling import (
     _chained_squares,
     _fused_squares,
     _in_memory,
-    _in_step_sum_of_unscaled_squares,
 )
+from amp_core.scaling import in_step_sum_of_unscaled_squares as _in_step_sum_of_unscaled_squares
 
 DTYPE_PROMOTION = "standard"  # optax's adamw (see test_optax.py)
 
