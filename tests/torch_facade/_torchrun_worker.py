@@ -23,7 +23,7 @@ A world size that does not divide ``BATCH`` is refused on every rank: each print
 waits at a barrier until every rank has printed it (torchrun stops the other ranks at the first
 exit), then exits with status 2.
 
-Each rank appends its events (``start``, ``step N``, ``kill N``) with a wall-clock time to
+Each rank appends its events (``start MASTER_PORT PID``, ``step N``, ``kill N``) with a time to
 ``OUT_DIR/events.txt`` and saves its result with ``torch.save`` to ``OUT_DIR/rank{RANK}.pt``.
 """
 

@@ -56,10 +56,9 @@ EVERY_STEP = list(range(worker.STEPS))
 
 
 FRESH_STORE_PER_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-"""torch 2.13's torchrun keeps one rendezvous TCPStore for every attempt (the same
-``MASTER_PORT``); restarted gloo groups then failed in ``connectFullMesh`` (``Connection
-refused`` to an old rank's address) in 4 of 6 runs here. With this variable (the workaround of
-pytorch issue 135712) rank 0 hosts a fresh store per attempt: 4 of 4 passed."""
+"""A fresh rendezvous store per torchrun attempt, hosted by rank 0: torch 2.13 otherwise keeps
+the agent's store (the same ``MASTER_PORT``) for every attempt, and restarted gloo groups often
+failed to connect (docs/at-scale.md, "Elastic restarts"; pytorch issue 135712's workaround)."""
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -293,11 +292,21 @@ def test_the_restarted_group_resumed_from_the_last_checkpoint(elastic: dict[str,
         assert run["environment"]["TORCHELASTIC_RESTART_COUNT"] == "1"
         assert run["resumed_from"] == checkpointed
         assert run["steps"].tolist() == list(range(checkpointed, worker.STEPS))
+    ports = [
+        {
+            event.split()[1]
+            for _, a, _, event in elastic["events"]
+            if a == attempt and "start" in event
+        }
+        for attempt in (0, 1)
+    ]
+    assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]  # a fresh store
     steps_done = {
         (attempt, rank): event for _, attempt, rank, event in elastic["events"] if "step" in event
     }
     assert steps_done[(0, worker.KILL_RANK)] == f"step {worker.KILL_AFTER}"
-    assert steps_done[(0, 0)] == f"step {worker.KILL_AFTER}"  # the survivor went no further
+    # The survivor went no further (it may be stopped before it logs the step it shares).
+    assert steps_done[(0, 0)] in {f"step {worker.KILL_AFTER - 1}", f"step {worker.KILL_AFTER}"}
 
 
 def test_the_resumed_run_ends_bit_identical_to_the_uninterrupted_one(
