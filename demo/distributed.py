@@ -813,6 +813,11 @@ def _under_torchrun(plan: Plan, command: str, out_dir: Path) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     try:
+        batch = plan.settings.batch_size
+        if batch % world:  # every rank says why, then all exit together
+            print(f"rank {rank}: WORLD_SIZE={world} must divide the batch {batch}", file=sys.stderr)
+            dist.barrier()
+            return 2
         record = train_torch(plan, rank, world)
         records: list[Any] = [None] * world
         dist.all_gather_object(records, record)
