@@ -8,6 +8,7 @@ those are exactly the iterations whose parameters changed. Learning rates are co
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import time
@@ -16,11 +17,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from facade_helpers import DLS, INF, TinyNet, batch, loss_of
 
 import torch_facade as cstorch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: nothing downloads
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 ITERATIONS = 8
 FAULTS = frozenset({0, 3, 4})  # iterations whose gradients get an inf: a first-step skip and two
@@ -389,3 +394,156 @@ def test_ddp_on_two_ranks_gives_every_rank_the_same_schedule(tmp_path: Path):
         assert result["changed"] == plan
         assert result["lrs"] == expected
         assert result["last_epoch"] == sum(plan)
+
+
+# ----------------------------------------------------------------------------- trainers
+
+TRAINER_STEPS = 5
+TRAINER_FAULTS = frozenset({0, 2})  # at 0 the fused AdamW has no state yet; at 2 it has
+
+
+def lr_in_force(oracle: list[list[float]], initial: float) -> list[float]:
+    """The learning rate each iteration steps with: the one set after the iteration before."""
+    return [initial] + [lrs[0] for lrs in oracle[:-1]]
+
+
+class ScheduledModule(L.LightningModule):
+    """``TinyNet`` with SGD and a per-step StepLR (wrapped if ``wrap``); ``poison``: batches
+    whose loss is multiplied by inf. Records the learning rate each batch trains with."""
+
+    def __init__(self, wrap: bool) -> None:
+        super().__init__()
+        self.net = TinyNet()
+        self.wrap = wrap
+        self.lrs: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        loss = (self.net(x).float() - y).square().mean()
+        return loss * (INF if batch_idx in TRAINER_FAULTS else 1.0)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.lrs.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = OPTIMIZERS["sgd"](self.parameters())
+        scheduler: Any = SCHEDULERS["step"](optimizer)
+        if self.wrap:
+            scheduler = cstorch.amp.skip_aware(scheduler, self.trainer.precision_plugin.scaler)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated.*")
+@pytest.mark.filterwarnings("ignore:.*lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`.*")
+def test_lightning_steps_a_wrapped_scheduler_only_on_applied_steps():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    data = [batch(i) for i in range(TRAINER_STEPS)]
+    xs, ys = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+    runs = {}
+    for wrap in (False, True):
+        module = ScheduledModule(wrap)
+        scaler = new_scaler()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=TRAINER_STEPS,
+            plugins=[MixedPrecision(precision="16-mixed", device="cpu", scaler=scaler)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=5)
+        trainer.fit(module, loader)
+        assert int(scaler.get_num_skipped_steps()) == len(TRAINER_FAULTS)
+        runs[wrap] = (module.lrs, trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+    plan = applied_plan(TRAINER_FAULTS, TRAINER_STEPS)
+    oracle = oracle_lrs(OPTIMIZERS["sgd"], SCHEDULERS["step"], plan)
+    assert runs[True] == (lr_in_force(oracle, 0.1), sum(plan))
+    # Lightning alone steps the scheduler after every batch, skipped or not (#5558).
+    assert runs[False][1] == TRAINER_STEPS
+
+
+class PoisonedRegressor(torch.nn.Module):
+    """``TinyNet`` as a transformers-style model: ``forward(x, labels)`` returns ``{"loss"}``;
+    the forward calls (micro-batches) in ``poisoned`` multiply the loss by inf."""
+
+    def __init__(self, poisoned: frozenset[int]) -> None:
+        super().__init__()
+        self.net = TinyNet()
+        self.poisoned = poisoned
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        poison = INF if self.calls in self.poisoned else 1.0
+        self.calls += 1
+        return {"loss": (self.net(x).float() - labels).square().mean() * poison}
+
+
+class RecordLR(TrainerCallback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.lrs.append(float(kwargs["optimizer"].param_groups[0]["lr"]))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_hf_trainer_steps_a_wrapped_scheduler_only_on_applied_steps(
+    accumulation: int, tmp_path: Path
+):
+    from accelerate.state import AcceleratorState
+
+    # The poison goes into the last micro-batch of each faulty step.
+    poisoned = frozenset((i + 1) * accumulation - 1 for i in TRAINER_FAULTS)
+    rows = [batch(i) for i in range(TRAINER_STEPS * accumulation)]  # 5 examples each
+    data = [{"x": x, "labels": y} for xs, ys in rows for x, y in zip(xs, ys, strict=True)]
+    runs = {}
+    for wrap in (False, True):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        model = PoisonedRegressor(poisoned)
+        optimizer = OPTIMIZERS["adamw-fused"](model.parameters())
+        scheduler: Any = SCHEDULERS["step"](optimizer)
+        scaler = new_scaler()
+        if wrap:
+            scheduler = cstorch.amp.skip_aware(scheduler, scaler)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(wrap)),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=accumulation,
+            max_steps=TRAINER_STEPS,
+            max_grad_norm=1.0,
+            fp16=True,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
+        record = RecordLR()
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            optimizers=(optimizer, scheduler),
+            callbacks=[record],
+        )
+        trainer.accelerator.scaler = scaler  # the workaround of test_huggingface.py
+        trainer.accelerator.native_amp = True
+        trainer.train()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        assert int(scaler.get_num_skipped_steps()) == len(TRAINER_FAULTS)
+        runs[wrap] = (record.lrs, trainer.lr_scheduler.last_epoch)
+    plan = applied_plan(TRAINER_FAULTS, TRAINER_STEPS)
+    oracle = oracle_lrs(OPTIMIZERS["adamw-fused"], SCHEDULERS["step"], plan)
+    assert runs[True] == (lr_in_force(oracle, 0.1), sum(plan))
+    # Alone, the Trainer asks accelerate whether the step was skipped: right while the fused
+    # optimizer has no state (the facade does not call its step), wrong after (the facade calls
+    # the kernel, which skips inside): the plain scheduler advances on the second skip (#4242).
+    assert runs[False][1] == sum(plan) + 1
