@@ -36,6 +36,7 @@ from torch_facade.amp.precision import (
     mixed_precision,
     set_half_dtype,
 )
+from torch_facade.amp.skip_aware import skip_aware
 
 __all__ = [
     "GradScaler",
@@ -67,5 +68,6 @@ __all__ = [
     "scaler_metrics",
     "set_half_dtype",
     "setup_optimizer",
+    "skip_aware",
     "update_if_finite",
 ]
