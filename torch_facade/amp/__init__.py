@@ -35,6 +35,7 @@ from torch_facade.amp.diagnostics import (
     scaler_metrics,
 )
 from torch_facade.amp.grad_scaler import GradScaler, LossScaleStalledError
+from torch_facade.amp.locate_overflow import locate_overflow
 from torch_facade.amp.optimizer_step import optimizer_step
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "init",
     "is_cbfloat16_tensor",
     "isfinite",
+    "locate_overflow",
     "mixed_precision",
     "optimizer_step",
     "promote_function",
