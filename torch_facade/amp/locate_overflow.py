@@ -28,43 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from hardware import canonical_half_dtype, get_format
+import amp_core.locate_overflow as amp_core_locate
+from amp_core.locate_overflow import OverflowEvent
 from torch_facade.amp import _amp_state
 
 _FORWARD = "forward"
 _BACKWARD = "backward"
 
-
-@dataclasses.dataclass(frozen=True)
-class OverflowEvent:
-    """One module output (forward) or input gradient (backward) that left the range.
-
-    Attributes:
-        name: the module's qualified name in ``model.named_modules()`` (``""`` for the model).
-        module_type: the module's class name.
-        kind: ``"forward"`` (its output) or ``"backward"`` (the gradient w.r.t. its inputs).
-        abs_max: the largest absolute value (``inf``; ``nan`` when a NaN was present).
-        call: the position of this check among all checks in the context, forward and
-            backward together, counting the healthy ones (0-based): the order they ran in.
-
-    Example:
-        >>> from torch_facade.amp.locate_overflow import OverflowEvent
-        >>> OverflowEvent("fc", "Linear", "forward", float("inf"), 3).name
-        'fc'
-    """
-
-    name: str
-    module_type: str
-    kind: str
-    abs_max: float
-    call: int
+__all__ = ["LocatedOverflow", "OverflowEvent", "locate_overflow"]
 
 
 @dataclasses.dataclass
@@ -76,8 +52,13 @@ class _Check:
     call: int
 
 
-class LocatedOverflow:
+class LocatedOverflow(amp_core_locate.LocatedOverflow):
     """What :func:`locate_overflow` recorded: the overflowed modules, in the order they ran.
+
+    The JAX door's :class:`amp_core.locate_overflow.LocatedOverflow` (``first``, ``events``,
+    ``calls``, the table of ``str()``), whose maxima stay on the device until first read:
+    reading ``events``, ``first``, ``calls`` or ``str()`` after new checks copies them to the
+    host (one synchronisation per device).
 
     Attributes:
         threshold: the largest magnitude that counts as in range.
@@ -98,90 +79,11 @@ class LocatedOverflow:
     """
 
     def __init__(self, threshold: float, dtype: str | None) -> None:
-        self.threshold = threshold
-        self.dtype = dtype
-        self._checks: list[_Check] = []
+        super().__init__(threshold, dtype)
         self._pending: list[_Check] = []
-        self._events: list[OverflowEvent] = []
-
-    @property
-    def calls(self) -> int:
-        """How many module outputs and input gradients were checked (healthy ones included).
-
-        Example:
-            >>> import torch, torch_facade as cstorch
-            >>> model = torch.nn.Linear(2, 2)
-            >>> with cstorch.amp.locate_overflow(model) as found:
-            ...     _ = model(torch.ones(1, 2))
-            >>> found.calls
-            1
-        """
-        return len(self._checks)
-
-    @property
-    def events(self) -> list[OverflowEvent]:
-        """The checks that held inf or NaN or exceeded :attr:`threshold`, in the order they ran.
-
-        Reading it the first time after new checks copies their maxima to the host (one
-        synchronisation per device).
-
-        Example:
-            >>> import torch, torch_facade as cstorch
-            >>> model = torch.nn.Linear(2, 2)
-            >>> with cstorch.amp.locate_overflow(model) as found:
-            ...     _ = model(torch.full((1, 2), float("nan")))
-            >>> [(e.name, e.kind) for e in found.events]
-            [('', 'forward')]
-        """
-        self._resolve()
-        return list(self._events)
-
-    @property
-    def first(self) -> str | None:
-        """The qualified name of the module of the first event, or ``None`` when there is none.
-
-        Example:
-            >>> import torch, torch_facade as cstorch
-            >>> model = torch.nn.Linear(2, 2)
-            >>> with cstorch.amp.locate_overflow(model) as found:
-            ...     _ = model(torch.ones(1, 2))
-            >>> found.first is None
-            True
-        """
-        events = self.events
-        return events[0].name if events else None
-
-    def __bool__(self) -> bool:
-        return bool(self.events)
-
-    def __str__(self) -> str:
-        events = self.events
-        limit = f"{self.threshold:g}"
-        if self.dtype is not None:
-            limit += f" (the {self.dtype} maximum)"
-        summary = (
-            f"{len(events)} of {self.calls} module outputs and input gradients checked held "
-            f"inf or NaN or exceeded {limit}"
-        )
-        if not events:
-            return f"no overflow: {summary}"
-        head = events[0]
-        lines = [
-            f"first overflow: {_display(head.name)} ({head.module_type}, {head.kind})",
-            f"{'call':>6}  {'kind':<8}  {'abs max':>10}  module",
-        ]
-        for event in events:
-            lines.append(
-                f"{event.call:>6}  {event.kind:<8}  {event.abs_max:>10.3e}  "
-                f"{_display(event.name)} ({event.module_type})"
-            )
-        lines.append(summary)
-        return "\n".join(lines)
 
     def _record(self, name: str, module_type: str, kind: str, tensors: list[torch.Tensor]) -> None:
-        check = _Check(name, module_type, kind, _abs_max(tensors), len(self._checks))
-        self._checks.append(check)
-        self._pending.append(check)
+        self._pending.append(_Check(name, module_type, kind, _abs_max(tensors), self._next_call()))
 
     def _resolve(self) -> None:
         if not self._pending:
@@ -190,21 +92,10 @@ class LocatedOverflow:
         by_device: dict[torch.device, list[_Check]] = {}
         for check in pending:
             by_device.setdefault(check.abs_max.device, []).append(check)
-        values: dict[int, float] = {}
         for checks in by_device.values():
             host = torch.stack([check.abs_max for check in checks]).tolist()
-            values.update({check.call: value for check, value in zip(checks, host, strict=True)})
-        for check in pending:
-            value = values[check.call]
-            if math.isnan(value) or value > self.threshold:
-                self._events.append(
-                    OverflowEvent(check.name, check.module_type, check.kind, value, check.call)
-                )
-        self._events.sort(key=lambda event: event.call)
-
-
-def _display(name: str) -> str:
-    return name if name else "<model>"
+            for check, value in zip(checks, host, strict=True):
+                self._add(check.name, check.module_type, check.kind, value, check.call)
 
 
 def _abs_max(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -240,33 +131,6 @@ def _float_tensors(value: Any) -> list[torch.Tensor]:
             fields = [getattr(item, f.name, None) for f in dataclasses.fields(item)]
             stack.extend(reversed(fields))
     return found
-
-
-def _threshold_of(dtype: Any, threshold: Any) -> tuple[float, str | None]:
-    if dtype is not None and threshold is not None:
-        raise ValueError(
-            f"locate_overflow: give dtype or threshold, not both; got dtype={dtype!r} and "
-            f"threshold={threshold!r}"
-        )
-    if threshold is not None:
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
-            raise TypeError(
-                "locate_overflow: threshold must be a positive real number (a float or an int); "
-                f"got {type(threshold).__name__} {threshold!r}"
-            )
-        value = float(threshold)
-        if math.isnan(value) or value <= 0:
-            raise ValueError(
-                f"locate_overflow: threshold must be a positive number (inf: inf and NaN only); "
-                f"got {threshold!r}"
-            )
-        return value, None
-    name = (
-        _amp_state.get_half_dtype_str()
-        if dtype is None
-        else canonical_half_dtype(dtype, argument="dtype")
-    )
-    return float(get_format(name).max), name
 
 
 def locate_overflow(
@@ -333,7 +197,9 @@ def locate_overflow(
             "locate_overflow: model must be a torch.nn.Module (for flax or equinox models use "
             f"amp_core.locate_overflow.locate_overflow); got {type(model).__name__}"
         )
-    limit, name = _threshold_of(dtype, threshold)
+    limit, name = amp_core_locate.resolve_threshold(
+        dtype, threshold, _amp_state.get_half_dtype_str()
+    )
     return _session(model, LocatedOverflow(limit, name))
 
 
