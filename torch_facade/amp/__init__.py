@@ -24,6 +24,7 @@ from torch_facade.amp.diagnostics import (
     scaler_metrics,
 )
 from torch_facade.amp.grad_scaler import GradScaler, LossScaleStalledError
+from torch_facade.amp.locate_overflow import locate_overflow
 from torch_facade.amp.optimizer_step import optimizer_step
 from torch_facade.amp.precision import (
     autocast,
@@ -58,6 +59,7 @@ __all__ = [
     "init",
     "is_cbfloat16_tensor",
     "isfinite",
+    "locate_overflow",
     "mixed_precision",
     "optimizer_step",
     "promote_function",
