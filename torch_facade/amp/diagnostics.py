@@ -54,6 +54,9 @@ class LossScaleStalledError(RuntimeError):
 class OverflowReport:
     """The gradients that held inf or NaN at a decision, by parameter name.
 
+    It names the parameters; to find the layer whose output or backward first left the half
+    format's range, rerun the step inside :func:`~torch_facade.amp.locate_overflow`.
+
     Attributes:
         gradients: for every gradient that overflowed, in optimizer order, the number of its
             elements that are inf or NaN once unscaled (0 for finite values so large that their

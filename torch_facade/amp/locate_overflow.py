@@ -35,7 +35,7 @@ import torch
 
 import amp_core.locate_overflow as amp_core_locate
 from amp_core.locate_overflow import OverflowEvent
-from torch_facade.amp import _amp_state
+from torch_facade.amp import precision
 
 _FORWARD = "forward"
 _BACKWARD = "backward"
@@ -198,7 +198,7 @@ def locate_overflow(
             f"amp_core.locate_overflow.locate_overflow); got {type(model).__name__}"
         )
     limit, name = amp_core_locate.resolve_threshold(
-        dtype, threshold, _amp_state.get_half_dtype_str()
+        dtype, threshold, precision.get_half_dtype_str()
     )
     return _session(model, LocatedOverflow(limit, name))
 

@@ -421,7 +421,8 @@ class StallWatch:
             f"loss scale already at min_loss_scale={self.config.min_loss_scale}, so every step "
             "is skipped and lowering the scale cannot help. The gradients are inf or NaN for "
             "another reason (a diverged model, bad data, a learning rate that is too high): "
-            "see GradScaler.nonfinite_gradients() for which parameters."
+            "see GradScaler.nonfinite_gradients() for which parameters, and "
+            "cstorch.amp.locate_overflow(model) for the layer where the overflow starts."
         )
 
 
