@@ -5,7 +5,7 @@ format: the one the JAX front door uses and the one the tests check against ml_d
 derivations. A torch model previewed under ``cstorch.amp.cbfloat16_numerics`` rounds every
 parameter and activation, forward and backward: about 180 roundings per iteration of a small
 GPT-2. Through JAX each one crossed DLPack twice, dispatched a jitted call and switched between
-torch's and XLA's thread pools, which made the preview about 2x a float32 iteration. Done here,
+torch's and XLA's thread pools, which made the preview cost as much as a second iteration. Done here,
 the rounding is a handful of element-wise torch operations on the tensor's own device, with no
 crossing.
 ``tests/torch_facade/test_cbfloat16_kernel.py`` holds this kernel to the JAX rounding bit for
@@ -23,9 +23,9 @@ path's arithmetic without its reads), compiled once per process by inductor (``t
 a dynamic size) into one loop that reads the tensor once and writes the result once; the
 integer path makes eight passes and a reduction that waits for its result. The loop is then
 called directly, without dynamo's guards (it is always called with the inputs they check), which
-makes a call cost about 4 us instead of 15. Rounding is what most of the preview's time went to
-(about 28 ms of a 175 ms iteration of a 4-layer GPT-2 on a 2-core AMD EPYC with the integer
-path; about 10 ms with this one). ``cbfloat16_numerics`` compiles it on entry (seconds;
+makes a call cost a fraction of a guarded one. Rounding is what most of the preview's time went
+to, and this loop takes about a third of the integer path's time (docs/performance-notes.md,
+"Figures from the facade's docstrings"). ``cbfloat16_numerics`` compiles it on entry (seconds;
 inductor's cache on disk shortens it in later processes) and checks it against the carrier path
 on a probe; where it cannot be compiled (no C++ compiler, say) or ``CSTORCH_CBFLOAT16_FUSED=0``
 is set, the integer path stays.
@@ -41,7 +41,7 @@ become ``0x7FFFFFFF`` and every other value ``|b| - 1``, so the minimum finds a 
 ``2**-30`` that is not a zero, and the maximum one of ``2**31`` or more unless a zero is there
 (then a reduction over ``x`` answers). ``b - 1`` wraps at ``-0.0`` (``INT32_MIN``), as torch's
 integer arithmetic does on every CPU it runs on; the tests hold ``-0.0`` to the specification.
-In a GPT-2's iteration about 2% of the roundings take the carrier path.
+In a GPT-2's iteration few of the roundings take the carrier path.
 
 **The carrier path** (every ``x``), with IEEE float32 addition doing the rounding itself:
 
@@ -141,9 +141,8 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
 
 FUSED_FROM = 2
 """Elements from which a contiguous CPU tensor takes the fused path (``torch.compile`` with a
-dynamic size specialises sizes 0 and 1). Called directly, the compiled loop costs about 4 us at
-256 elements against the integer path's 15 us, and 20 us against 89 us at 2**18 (2-core AMD
-EPYC)."""
+dynamic size specialises sizes 0 and 1). Called directly, the compiled loop is cheaper than the
+integer path at every size from there (docs/performance-notes.md)."""
 
 _FUSED: list[Callable[[torch.Tensor], torch.Tensor] | None] = []
 """The fused rounding once tried: ``[function]``, or ``[None]`` where it cannot be compiled."""
@@ -225,8 +224,8 @@ def _compile_loop(
     expected.
 
     Dynamo traces it once (a dynamic size) and hands inductor the graph; the loop inductor
-    returns is then called directly, without dynamo's guards and wrappers (about 11 us of a
-    call's 15). That is sound because every call passes what the guards check: a detached,
+    returns is then called directly, without dynamo's guards and wrappers (most of a guarded
+    call's cost). That is sound because every call passes what the guards check: a detached,
     contiguous float32 CPU tensor of one dimension with at least ``FUSED_FROM`` elements, and
     its size. Dynamo keeps what it compiled with each code object, so the function traced is a
     copy of ``rounding`` with a code object of its own: another ``torch.compile`` of
@@ -253,7 +252,8 @@ def _compile_loop(
 
     def direct(x: torch.Tensor) -> torch.Tensor:
         # No grad-mode context: the loop writes a new tensor through raw pointers, so nothing
-        # is recorded for autograd (its input detached); the context cost 1 us of 7 a call.
+        # is recorded for autograd (its input detached); the context was a sizeable share of
+        # the call.
         flat = x.detach().view(-1)
         out = loop(x.numel(), flat) if size_first else loop(flat, x.numel())
         # resize_, not view: a view made inside an autograd Function may not be changed in

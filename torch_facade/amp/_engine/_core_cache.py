@@ -1,13 +1,14 @@
 """The facade's compiled decision core, kept on disk between runs of a script.
 
-The first decision of a process used to trace, lower and compile the jitted core: 0.3-0.6 s on
-a 2-core CPU, paid again by every run of the same script (and by every DDP rank). Here the
+The first decision of a process used to trace, lower and compile the jitted core, paid again by
+every run of the same script (and by every DDP rank). Here the
 compiled executable is serialized (``jax.experimental.serialize_executable``) into a file whose
 name is a digest of everything that decides what XLA compiled, and the next run loads it
-instead: about 10 ms, with no tracing, no lowering and no compile.
+instead, with no tracing, no lowering and no compile (the costs of both: the "Start-up"
+section of ``docs/performance.md``).
 
 Why not JAX's own persistent compilation cache: JAX computes its key from the lowered module,
-so a hit still pays the tracing, the lowering and the start of MLIR (100-250 ms here), and its
+so a hit still pays the tracing, the lowering and the start of MLIR, and its
 configuration is process-wide: turning it on for the facade would cache the user's own
 functions too, in a directory they never chose. This cache holds the facade's core only.
 

@@ -9,8 +9,8 @@ A :class:`Crossing` answers the two questions every decision asks:
 
 Variants, each in a module of its own:
 
-* :mod:`~torch_facade.amp._engine._crossing_cpu`: jaxlib's lower-level DLPack calls (about 7 us a
-  tensor instead of 90);
+* :mod:`~torch_facade.amp._engine._crossing_cpu`: jaxlib's lower-level DLPack calls (a small
+  fraction of the documented calls' cost a tensor);
 * :mod:`~torch_facade.amp._engine._crossing_cuda`: one event and wait per decision on JAX's
   external-ready stream, then the lower-level import per tensor (no event per tensor, no host
   wait), with a device guard and a copy for views XLA:GPU would reject as unaligned;

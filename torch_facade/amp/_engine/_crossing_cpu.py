@@ -1,9 +1,9 @@
 """The CPU crossing: jaxlib's lower-level DLPack functions, after a self-check.
 
-``jax.dlpack.from_dlpack`` spends most of its ~90 us per tensor on device lookups, stream handling
-and a ``jnp.asarray``; the call below it takes ~7 us with ``torch.utils.dlpack.to_dlpack``.
-``torch.from_dlpack`` goes through ``__dlpack__``'s stream and version handling (about 10 us a call
-warm, 110 us right after a backward pass); jaxlib's export below it about 1.5 us, and torch's
+``jax.dlpack.from_dlpack`` spends most of its time per tensor on device lookups, stream handling
+and a ``jnp.asarray``; the call below it, with ``torch.utils.dlpack.to_dlpack``, skips them.
+``torch.from_dlpack`` goes through ``__dlpack__``'s stream and version handling (slowest right
+after a backward pass); jaxlib's export below it does not, and torch's
 ``torch._C._from_dlpack`` takes the capsule (what ``torch.utils.dlpack.from_dlpack`` calls for a
 capsule, after its own checks). These are private functions, so the pair is used only if it passes
 its self-check on this jaxlib and torch (same memory, same values); otherwise the documented DLPack calls are.

@@ -171,8 +171,8 @@ class Structure:
     * that the gradients are plain tensors: a large gradient (or a small one read by itself)
       by its type; a packed copy by its own, since ``torch.cat`` gives a subclass's type for a
       subclass (a DTensor where a plain tensor was) or refuses a mixture. Two passes over
-      every gradient (type, then dtype) cost about 30-60 us in a training loop at 148
-      gradients, where the caches are cold after the backward pass; one costs half;
+      every gradient (type, then dtype) cost measurably more than one in a training loop,
+      where the caches are cold after the backward pass;
     * per imported tensor (a large gradient or a packed copy): dense layout, the device, and
       the number of elements (a packed copy's: a resized small gradient changes it); a large
       gradient must still not be a view (it may now tile a bucket read whole);
@@ -406,8 +406,8 @@ def multiply_(
     On the CPU, gradients of the dtypes torch's loss-scaling kernel takes go through
     ``torch._amp_foreach_non_finite_check_and_unscale_`` as a plain multiply: per element it
     computes ``g * multiplier`` in float32 (float64 for float64) and rounds once to the
-    gradient's dtype, as ``torch._foreach_mul_`` does, and it costs about 0.22 us a gradient on
-    the CPU here against 0.39 (one unary kernel each instead of a broadcasting binary one). Its
+    gradient's dtype, as ``torch._foreach_mul_`` does, and it costs less a gradient on the CPU
+    (one unary kernel each instead of a broadcasting binary one). Its
     own overflow flag goes to a scratch tensor nobody reads: the decision is amp_core's. Other
     dtypes (which that kernel would refuse part-way through the list) and other devices use
     ``torch._foreach_mul_``.

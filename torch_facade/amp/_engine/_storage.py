@@ -9,7 +9,7 @@ at arbitrary offsets are not 64-byte aligned, and DLPack would copy them).
 
 Small gradients (biases, norms' scales: at most :data:`SMALL_GRADIENT` elements) that would be
 imported by themselves are copied into one flat buffer per dtype and read through it: copying a few KB costs less than a DLPack import
-(about 10 us a tensor on the CPU, plus its share of the jitted call's arguments), and a model of
+(and its share of the jitted call's arguments), and a model of
 a thousand small tensors then crosses in a handful of imports. Only the read uses the copy; the
 gradients themselves are unscaled in place.
 
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 
 SMALL_GRADIENT = 4096
-"""Elements: gradients up to this size are read through one packed copy per dtype (16 KB of
-float32 copy in about 2 us on the CPU here, less than one import)."""
+"""Elements: gradients up to this size are read through one packed copy per dtype (copying 16 KB
+of float32 costs less than one import)."""
 
 
 def import_units(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -76,8 +76,8 @@ def _packed(group: list[torch.Tensor]) -> torch.Tensor:
 def concatenated(group: list[torch.Tensor], one_dim: bool) -> torch.Tensor:
     """A flat copy of the values of every tensor of ``group`` (one dtype, one device), in order.
 
-    ``one_dim``: all are 1-D, so ``torch.cat`` takes them as they are (about 0.1 us a tensor on
-    the CPU here, against 0.4 for flattening each first, as other shapes need). The copy never
+    ``one_dim``: all are 1-D, so ``torch.cat`` takes them as they are (cheaper than flattening
+    each first, as other shapes need). The copy never
     requires grad: of gradients made with ``create_graph=True``, which do, it is detached (not
     made under ``no_grad``, which costs several microseconds a call that every other read would
     pay for nothing).
