@@ -23,7 +23,8 @@ import numpy as np
 
 from demo import report, sweep
 from demo.rows import DoorResult, RowResult, rows_for
-from demo.text import Settings, held_out_windows, load_corpus, training_windows
+from demo.text import held_out_windows, load_corpus, training_windows
+from workbench.byte_gpt import Settings
 
 QUICK_STEPS = 80
 """Steps of ``make demo`` (about 3 minutes for both front doors on 2 idle cores)."""

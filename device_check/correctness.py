@@ -71,8 +71,8 @@ import torch
 from torch import nn
 
 import torch_facade as cstorch
-from benchmarks.sizes import SIZES, SizeSpec, model_spec, next_token_loss
-from benchmarks.whole_bench import make_workload
+from workbench.sizes import SIZES, SizeSpec, model_spec, next_token_loss
+from workbench.whole_loop import make_workload
 
 MODES = ("static", "dls", "dls_gcc")
 """The comparisons (see the module docstring)."""

@@ -30,12 +30,10 @@ from benchmarks import (
     report,
     runner,
     scaler_checks,
-    sizes,
     step_bench,
-    timing,
     torch_bench,
-    whole_bench,
 )
+from workbench import call_timers, sizes, timing, whole_loop
 
 STATS_KEYS = {"median", "min", "max"}
 CASE_KEYS = {
@@ -104,8 +102,8 @@ def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
         {("bandwidth", "stream", v) for v in bandwidth.VARIANTS}
         | {("torch", o, v) for o in torch_bench.OPTIMIZERS for v in torch_bench.VARIANTS}
         | {("jax", "optax", v) for v in jax_bench.VARIANTS}
-        | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.WHOLE_VARIANTS}
-        | {("ddp", DDP_GROUP, v) for v in whole_bench.VARIANTS}
+        | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_loop.WHOLE_VARIANTS}
+        | {("ddp", DDP_GROUP, v) for v in whole_loop.VARIANTS}
         | {("host", o, v) for o in host_bench.OPTIMIZERS for v in host_bench.VARIANTS}
         | {("step", loss, v) for loss in step_bench.LOSSES for v in step_bench.variants_of(loss)}
     )
@@ -184,7 +182,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     assert set(size["gradients"]) == {"loss", "flushed_small_grads", "seconds"}
     whole = size["whole"]
     assert (whole["tensors"], whole["params"]) == (S_TENSORS, S_PARAMS)
-    assert (whole["batch"], whole["tokens"]) == (whole_bench.BATCH, whole_bench.TOKENS)
+    assert (whole["batch"], whole["tokens"]) == (whole_loop.BATCH, whole_loop.TOKENS)
     assert whole["subnormals"] == {"gradients": 0, "adamw_state": 0}
     vocab = sizes.SIZES["S"].vocab
     assert math.isclose(whole["initial_loss"], math.log(vocab), rel_tol=0.1)
@@ -399,14 +397,14 @@ def test_thread_settings_are_read_from_the_environment(monkeypatch: pytest.Monke
 
 
 @pytest.fixture(scope="module")
-def workload(one_torch_thread: None) -> whole_bench.Workload:
+def workload(one_torch_thread: None) -> whole_loop.Workload:
     """Size S: the end-to-end run has compiled the facade for its gradients already."""
-    return whole_bench.make_workload(sizes.SIZES["S"])
+    return whole_loop.make_workload(sizes.SIZES["S"])
 
 
 @pytest.mark.parametrize("name", ["torch", "torch+clip", "facade", "facade+clip"])
-def test_train_loop_counts_skipped_steps(workload: whole_bench.Workload, name: str) -> None:
-    loop = whole_bench.TrainLoop(name, "SGD foreach", True, workload)
+def test_train_loop_counts_skipped_steps(workload: whole_loop.Workload, name: str) -> None:
+    loop = whole_loop.TrainLoop(name, "SGD foreach", True, workload)
     loop.step()
     assert loop.skipped_steps() == 0
     with torch.no_grad():
@@ -416,22 +414,22 @@ def test_train_loop_counts_skipped_steps(workload: whole_bench.Workload, name: s
     assert loop.skipped_steps() == 2
 
 
-def test_train_loop_trains_a_copy(workload: whole_bench.Workload) -> None:
-    loop = whole_bench.TrainLoop("bare", "AdamW fused", False, workload)
+def test_train_loop_trains_a_copy(workload: whole_loop.Workload) -> None:
+    loop = whole_loop.TrainLoop("bare", "AdamW fused", False, workload)
     loop.step()
     loop.step()
     assert loop.params[0] is not next(workload.model.parameters())
     assert all(p.grad is not None for p in loop.params)  # set_to_none=False keeps them
     with pytest.raises(ValueError, match="unknown variant"):
-        whole_bench.TrainLoop("facade+fast", "SGD foreach", True, workload)
+        whole_loop.TrainLoop("facade+fast", "SGD foreach", True, workload)
 
 
-def test_subnormals_are_counted(workload: whole_bench.Workload) -> None:
+def test_subnormals_are_counted(workload: whole_loop.Workload) -> None:
     values = torch.tensor([1e-39, 0.0, 1.0, -1e-40, 2.0**-126, -math.inf])
-    assert whole_bench._subnormals([values, values[:1]]) == 3
-    tiny = whole_bench.make_workload(sizes.SIZES["tiny"])
+    assert whole_loop._subnormals([values, values[:1]]) == 3
+    tiny = whole_loop.make_workload(sizes.SIZES["tiny"])
     assert tiny.tensors == len(sizes.shape_list(sizes.SIZES["tiny"]))
-    assert whole_bench.count_subnormals(tiny) == {"gradients": 0, "adamw_state": 0}
+    assert whole_loop.count_subnormals(tiny) == {"gradients": 0, "adamw_state": 0}
 
 
 def test_ddp_section_times_out_and_stops_its_ranks() -> None:
@@ -530,7 +528,7 @@ def test_the_report_names_the_cpu_and_its_half_precision_features() -> None:
         assert set(features) == set(runner.CPU_FEATURES)
 
 
-@pytest.mark.parametrize("module", [timing, sizes, report, host_bench, step_bench, plots])
+@pytest.mark.parametrize("module", [report, host_bench, step_bench, plots])
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
@@ -587,7 +585,7 @@ def test_host_rows_have_every_field(results: dict[str, Any]) -> None:
 def test_host_model_gives_independent_gradients() -> None:
     workload = host_bench.make_workload(6)
     assert workload.tensors == workload.params == 6
-    loop = whole_bench.TrainLoop("facade", "AdamW fused", True, workload)
+    loop = whole_loop.TrainLoop("facade", "AdamW fused", True, workload)
     loop.step()
     loop.step()
     grads = [p.grad for p in loop.params]
@@ -653,8 +651,8 @@ def test_host_profile_breaks_the_time_down(tmp_path: Path, one_torch_thread: Non
 
 def test_time_calls_with_unscale(one_torch_thread: None) -> None:
     workload = host_bench.make_workload(3)
-    loop = whole_bench.TrainLoop("torch", "SGD foreach", True, workload)
-    times = host_profile.time_calls(loop, unscale=True)
+    loop = whole_loop.TrainLoop("torch", "SGD foreach", True, workload)
+    times = call_timers.time_calls(loop, unscale=True)
     assert list(times) == ["loss", "scale", "backward", "unscale_", "step", "update"]
     assert all(t >= 0 for t in times.values())
 

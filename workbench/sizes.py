@@ -164,7 +164,7 @@ def model_spec(spec: SizeSpec) -> SizeSpec:
     context :data:`TINY_WIDTH` (a real model with ``M``'s tensor count and almost no arithmetic).
 
     Example:
-        >>> from benchmarks.sizes import SIZES, model_spec, parameter_count
+        >>> from workbench.sizes import SIZES, model_spec, parameter_count
         >>> model_spec(SIZES["S"]) == SIZES["S"], parameter_count(model_spec(SIZES["tiny"]))
         (True, 39904)
     """
@@ -231,7 +231,7 @@ def shape_list(spec: SizeSpec) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes of ``spec``'s model (one element per tensor for ``tiny``).
 
     Example:
-        >>> from benchmarks.sizes import SIZES, shape_list
+        >>> from workbench.sizes import SIZES, shape_list
         >>> len(shape_list(SIZES["S"])), len(shape_list(SIZES["tiny"])) == len(shape_list(SIZES["M"]))
         (20, True)
     """
@@ -244,7 +244,7 @@ def parameter_count(spec: SizeSpec) -> int:
     """Total parameters of ``spec`` without allocating them.
 
     Example:
-        >>> from benchmarks.sizes import SIZES, parameter_count
+        >>> from workbench.sizes import SIZES, parameter_count
         >>> parameter_count(SIZES["S"])
         1068800
     """

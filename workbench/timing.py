@@ -26,7 +26,7 @@ class CompileCounter:
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from benchmarks.timing import CompileCounter
+        >>> from workbench.timing import CompileCounter
         >>> counter = CompileCounter()
         >>> with counter.listening():
         ...     _ = jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()
@@ -88,7 +88,7 @@ class Stats:
         """Statistics of the finite values in ``values``.
 
         Example:
-            >>> from benchmarks.timing import Stats
+            >>> from workbench.timing import Stats
             >>> Stats.of([3.0, 1.0, 2.0, float("nan")])
             Stats(median=2.0, min=1.0, max=3.0)
         """
@@ -196,7 +196,7 @@ def choose_iters(max_iters: int, step_s: float, fixed: bool) -> int:
         fixed: use ``max_iters`` as is (the user asked for it).
 
     Example:
-        >>> from benchmarks.timing import choose_iters
+        >>> from workbench.timing import choose_iters
         >>> choose_iters(5, 0.05, False), choose_iters(5, 1.5, False), choose_iters(5, 1.5, True)
         (5, 1, 5)
         >>> choose_iters(5, 0.004, False)  # 5 steps are 0.02 s: 50 make 0.2 s
@@ -390,7 +390,7 @@ def per_round(
     """``op`` applied round by round (``nan`` where it is undefined).
 
     Example:
-        >>> from benchmarks.timing import per_round, ratio
+        >>> from workbench.timing import per_round, ratio
         >>> per_round(ratio, [2.0, 3.0], [1.0, 0.0])
         [2.0, nan]
     """
@@ -405,3 +405,23 @@ def ratio(a: float, b: float) -> float:
 def difference(a: float, b: float) -> float:
     """``a - b``."""
     return a - b
+
+
+MS = 1e3
+"""Milliseconds per second."""
+
+
+def milliseconds(values: Sequence[float]) -> list[float]:
+    """``values`` (seconds) in milliseconds."""
+    return [v * MS for v in values]
+
+
+def stats_dict(values: Sequence[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of the finite values of ``values`` (see :meth:`Stats.of`).
+
+    Example:
+        >>> from workbench.timing import milliseconds, stats_dict
+        >>> stats_dict(milliseconds([0.5, 0.25, 1.0, float("nan")]))
+        {'median': 500.0, 'min': 250.0, 'max': 1000.0}
+    """
+    return Stats.of(values).as_dict()
