@@ -150,8 +150,8 @@ def run(
 
     ``small``: a 1-layer GPT-2 of width 32 on 2 x 16 bytes (the harness test's size).
     ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a CPU without
-    float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there: 28x float32 on
-    a Zen 5 EPYC).
+    float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there, many times
+    float32's: ``docs/performance-notes.md``).
     """
     import torch._dynamo
     from torch._dynamo.utils import counters

@@ -67,8 +67,9 @@ def _jmp_step(
 
 QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 """XLA:CPU options for the steps of the float32, float16 and bfloat16 rows: compiling them takes
-half the time, and they run as fast. (cbfloat16's bit-exact rounding keeps the default: without
-LLVM's optimisations its step ran 5x slower.)"""
+less time, and they run as fast. (cbfloat16's bit-exact rounding keeps the default: without
+LLVM's optimisations its step runs several times slower; the figures are in
+``docs/performance-notes.md``.)"""
 
 
 def _jitted(step: Callable[..., Any], fmt: str) -> Callable[..., Any]:

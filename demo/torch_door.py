@@ -18,7 +18,8 @@ tensor cores accumulate in float32 and store half precision. cbfloat16 uses the 
 ``cstorch.amp.cbfloat16_numerics``; float16 and bfloat16 use :func:`dtype_numerics`, the same
 pattern with torch's exact casts (``x.to(torch.float16).float()``). This is not to save effort:
 this machine's CPUs have no float16 matrix units, and a float16 ``torch.autocast`` step of this
-model ran 7x slower than float32 here, while the rounding costs little. Every row thus differs
+model runs several times slower than float32 there (``docs/performance-notes.md``), while the
+rounding costs little. Every row thus differs
 from the others only by its format and its loss scaling.
 """
 

@@ -85,8 +85,8 @@ TINY_WIDTH = 16
 FLUSH_BELOW = 2.0**-58
 """Gradient values smaller than this in magnitude are set to zero once, after the backward pass.
 
-torch's CPU kernels slow down about 12x on denormal operands and results while XLA flushes them
-to zero (``../shared/PERFORMANCE.md`` item 9). With ``|g| >= 2**-58``, AdamW's first second moment
+torch's CPU kernels slow down many times on denormal operands and results (the factor measured:
+``docs/performance-notes.md``) while XLA flushes them to zero (``../shared/PERFORMANCE.md`` item 9). With ``|g| >= 2**-58``, AdamW's first second moment
 ``(1 - 0.999) * g**2`` and SGD's ``lr * g`` (``lr = 1e-12``) stay normal float32 numbers.
 """
 

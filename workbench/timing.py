@@ -290,16 +290,17 @@ class Plan:
         fixed_iters: always use ``max_iters``.
         run: interleave within a round in runs of this many timed calls per variant, each run
             after one untimed call of the same variant, instead of variant by variant (0): a
-            drift of the machine's speed over a round (tens of percent over a few hundred
-            milliseconds on these virtual machines) then reaches every variant alike, while each
+            drift of the machine's speed over a round (large on shared virtual machines:
+            ``docs/performance-notes.md``) then reaches every variant alike, while each
             timed call still follows a call of its own variant, as in a training loop. For steps
             of a millisecond or two, where such a drift is larger than the differences
             measured. (Alternating call by call would put the other variants' iterations
             between two of a variant's: their code and data evict its own from the caches,
             which a training loop never sees. On the host-cost model two identical facade loops
             measured that way, one right after torch's loop and one right after the other,
-            differed by 0.1-0.3x of torch's scaler overhead: the facade's iteration also runs
-            JAX, whose code and data the other loops do not touch.)
+            differed by a sizeable share of torch's scaler overhead (the figure:
+            ``docs/performance-notes.md``): the facade's iteration also runs JAX, whose code
+            and data the other loops do not touch.)
     """
 
     rounds: int

@@ -92,7 +92,7 @@ WHOLE_VARIANTS = (*VARIANTS, FLOOR)
 """The variants of a single-process group; the DDP section runs :data:`VARIANTS`."""
 
 BATCH = 1
-"""Sequences per iteration (keeps an ``M`` iteration to a few hundred ms on 2 cores)."""
+"""Sequences per iteration (one keeps an ``M`` iteration short on a small CPU)."""
 
 TOKENS = 64
 """Tokens per sequence, at most the model's context."""
