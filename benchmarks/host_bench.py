@@ -28,7 +28,7 @@ TENSORS = (148, 1000)
 """Gradient tensor counts measured by default."""
 
 OPTIMIZERS = ("SGD foreach", "AdamW fused")
-"""Keys of :data:`benchmarks.torch_bench.OPTIMIZERS` measured."""
+"""Keys of :data:`benchmarks.whole_loop.OPTIMIZERS` measured."""
 
 VARIANTS = ("bare", "torch", "facade")
 """The whole-iteration variants compared (:data:`workbench.whole_loop.VARIANTS`)."""

@@ -141,7 +141,7 @@ def _subnormal_note(sizes: dict[str, Any]) -> str:
     return text + "."
 
 
-def _whole_section(results: dict[str, Any], number: int) -> list[str]:
+def _whole_section(results: dict[str, Any], heading: int) -> list[str]:
     rows = results["whole"]
     meta = results["meta"]
     tokens = ", ".join(
@@ -150,7 +150,7 @@ def _whole_section(results: dict[str, Any], number: int) -> list[str]:
         if s.get("whole")
     )
     out = [
-        f"## {number}. Whole iteration of the documented loop: the facade against "
+        f"## {heading}. Whole iteration of the documented loop: the facade against "
         '`torch.amp.GradScaler("cpu")` (ms per iteration)',
         "",
         "Loop: `optimizer.zero_grad(set_to_none=...)`; forward of the size's GPT-2-like model and "
@@ -182,9 +182,9 @@ def _whole_section(results: dict[str, Any], number: int) -> list[str]:
     return out + comparison_table(rows, with_set_to_none=True) + [""]
 
 
-def _scaler_section(results: dict[str, Any], number: int) -> list[str]:
+def _scaler_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Scaler only, gradients refilled in place: the facade against "
+        f"## {heading}. Scaler only, gradients refilled in place: the facade against "
         '`torch.amp.GradScaler("cpu")` (ms per step)',
         "",
         "Not the loop users run: the gradients of one backward pass are copied back into the "
@@ -230,10 +230,10 @@ def _scaler_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _ddp_section(results: dict[str, Any], number: int) -> list[str]:
+def _ddp_section(results: dict[str, Any], heading: int) -> list[str]:
     ddp = results["ddp"]
     out = [
-        f"## {number}. Whole iteration under DistributedDataParallel, 2 ranks on the CPU "
+        f"## {heading}. Whole iteration under DistributedDataParallel, 2 ranks on the CPU "
         "(small and noisy on 2 cores)",
         "",
     ]
@@ -308,11 +308,11 @@ optax's work and more; the floor adds the global norm to plain's, the gated floo
 update wait for it, and ``amp_core`` does both (and its decision)."""
 
 
-def _step_section(results: dict[str, Any], number: int) -> list[str]:
+def _step_section(results: dict[str, Any], heading: int) -> list[str]:
     step = results["step"]
     versions = ", ".join(f"{name} {v or 'not installed'}" for name, v in step["versions"].items())
     out = [
-        f"## {number}. The JAX train step as users write it: `amp_core` against plain optax, "
+        f"## {heading}. The JAX train step as users write it: `amp_core` against plain optax, "
         "the floor and the other JAX loss scalers (ms per step)",
         "",
         "One `jax.jit` over forward, backward and update, parameters and optimizer state "
@@ -419,9 +419,9 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
     return out
 
 
-def _jax_section(results: dict[str, Any], number: int) -> list[str]:
+def _jax_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Second view, gradients as inputs: jitted optax AdamW update, alone and "
+        f"## {heading}. Second view, gradients as inputs: jitted optax AdamW update, alone and "
         "loss-scaled through `amp_core` (ms)",
         "",
         "Not the step users write (that is the train-step table): the gradients of one torch "
@@ -471,9 +471,9 @@ def _jax_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
+def _bandwidth_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Bandwidth floor",
+        f"## {heading}. Bandwidth floor",
         "",
         "Streaming rates on a float32 buffer of the size's parameter count: torch "
         "`buf.mul_(1.0)` (read+write, 8 B/element) and a jitted JAX `sum` over the same memory "
@@ -534,10 +534,10 @@ def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _host_section(results: dict[str, Any], number: int) -> list[str]:
+def _host_section(results: dict[str, Any], heading: int) -> list[str]:
     rows = results["host"]
     out = [
-        f"## {number}. Host cost per gradient tensor: one-element gradients, nothing to compute "
+        f"## {heading}. Host cost per gradient tensor: one-element gradients, nothing to compute "
         "(ms per iteration)",
         "",
         "The CPU's stand-in for a launch-bound GPU loop. Model: N one-element parameters, loss "
@@ -599,9 +599,9 @@ def _host_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _compile_section(results: dict[str, Any], number: int) -> list[str]:
+def _compile_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Compilation",
+        f"## {heading}. Compilation",
         "",
         "First step: wall time of the first call (for the facade: after constructing the "
         "scaler; includes its first look at the gradients). Compiles: XLA backend compilations during "
@@ -629,12 +629,12 @@ def _compile_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _startup_section(results: dict[str, Any], number: int) -> list[str]:
-    return startup_bench.markdown(results["startup"], number)
+def _startup_section(results: dict[str, Any], heading: int) -> list[str]:
+    return startup_bench.markdown(results["startup"], heading)
 
 
-def _cbfloat16_section(results: dict[str, Any], number: int) -> list[str]:
-    return cbfloat16_bench.markdown(results["cbfloat16"], number)
+def _cbfloat16_section(results: dict[str, Any], heading: int) -> list[str]:
+    return cbfloat16_bench.markdown(results["cbfloat16"], heading)
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -652,11 +652,11 @@ def markdown(results: dict[str, Any]) -> str:
         (results.get("cbfloat16") is not None, _cbfloat16_section),
     ]
     out = _header(results)
-    number = 0
+    heading = 0
     for present, render in sections:
         if present:
-            number += 1
-            out += render(results, number)
+            heading += 1
+            out += render(results, heading)
     return "\n".join(out).rstrip("\n") + "\n"
 
 

@@ -369,8 +369,8 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "rounds": options.rounds,
         "warmup_steps": options.warmup,
         "sections": list(options.sections),
-        "loss_scale": torch_bench.LOSS_SCALE,
-        "learning_rate": torch_bench.LEARNING_RATE,
+        "loss_scale": whole_loop.LOSS_SCALE,
+        "learning_rate": whole_loop.LEARNING_RATE,
         "clip_norm": torch_bench.BIG_NORM,
         "whole_clip_norm": whole_loop.CLIP_NORM,
         "whole_batch": whole_loop.BATCH,
@@ -407,9 +407,9 @@ def _ticks(options: BenchOptions) -> int:
     group = options.rounds + 1
     per_size = 0
     if "whole" in options.sections:
-        per_size += len(torch_bench.OPTIMIZERS) * len(whole_loop.SET_TO_NONE) * group
+        per_size += len(whole_loop.OPTIMIZERS) * len(whole_loop.SET_TO_NONE) * group
     if "scaler" in options.sections:
-        per_size += (1 + len(torch_bench.OPTIMIZERS)) * group  # bandwidth, optimizers
+        per_size += (1 + len(whole_loop.OPTIMIZERS)) * group  # bandwidth, optimizers
     if "jax" in options.sections:
         per_size += group
     if "scaler" in options.sections or "jax" in options.sections:
@@ -526,7 +526,7 @@ class _Run:
         with torch.no_grad():
             loss = float(next_token_loss(workload.model, workload.tokens))
         subnormals = whole_loop.count_subnormals(workload)
-        for optimizer in torch_bench.OPTIMIZERS:
+        for optimizer in whole_loop.OPTIMIZERS:
             for set_to_none in whole_loop.SET_TO_NONE:
                 self.bar.set_description(f"{size}: whole {optimizer}, set_to_none={set_to_none}")
                 group = whole_loop.run_group(
@@ -560,7 +560,7 @@ class _Run:
         self.results["bandwidth"].append(bw_row)
         del bw
         rows = []
-        for optimizer in torch_bench.OPTIMIZERS:
+        for optimizer in whole_loop.OPTIMIZERS:
             self.bar.set_description(f"{size}: scaler only, {optimizer}")
             group = torch_bench.run_group(grads, optimizer, plan, self.counter, self.tick)
             self.tick()

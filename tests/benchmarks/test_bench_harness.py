@@ -31,7 +31,6 @@ from benchmarks import (
     runner,
     scaler_checks,
     step_bench,
-    torch_bench,
 )
 from workbench import call_timers, sizes, timing, whole_loop
 
@@ -93,14 +92,14 @@ def _assert_stats(stats: dict[str, Any]) -> None:
         assert value is None or isinstance(value, float)
 
 
-WHOLE_GROUPS = [f"{o}, set_to_none={s}" for o in torch_bench.OPTIMIZERS for s in (True, False)]
+WHOLE_GROUPS = [f"{o}, set_to_none={s}" for o in whole_loop.OPTIMIZERS for s in (True, False)]
 DDP_GROUP = f"{ddp_bench.OPTIMIZER}, set_to_none=True"
 
 
 def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
     expected = (
         {("bandwidth", "stream", v) for v in bandwidth.VARIANTS}
-        | {("torch", o, v) for o in torch_bench.OPTIMIZERS for v in torch_bench.VARIANTS}
+        | {("torch", o, v) for o in whole_loop.OPTIMIZERS for v in whole_loop.VARIANTS}
         | {("jax", "optax", v) for v in jax_bench.VARIANTS}
         | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_loop.WHOLE_VARIANTS}
         | {("ddp", DDP_GROUP, v) for v in whole_loop.VARIANTS}
@@ -188,7 +187,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     assert math.isclose(whole["initial_loss"], math.log(vocab), rel_tol=0.1)
 
     _assert_whole_rows(
-        results["whole"], {(o, s) for o in torch_bench.OPTIMIZERS for s in (True, False)}
+        results["whole"], {(o, s) for o in whole_loop.OPTIMIZERS for s in (True, False)}
     )
     for row in results["whole"]:  # the single-process rows carry the XLA-read floor
         _assert_stats(row["floor_ms"])
@@ -202,7 +201,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
 
     torch_rows = results["torch"]
     assert {(r["optimizer"], r["clip"]) for r in torch_rows} == {
-        (o, c) for o in torch_bench.OPTIMIZERS for c in (False, True)
+        (o, c) for o in whole_loop.OPTIMIZERS for c in (False, True)
     }
     for row in torch_rows:
         for key in COMPARISON_KEYS:
@@ -229,7 +228,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     _assert_stats(bw_row["inplace_gbps"])
     _assert_stats(bw_row["read_gbps"])
 
-    assert len(results["floor"]) == 2 * len(torch_bench.OPTIMIZERS)
+    assert len(results["floor"]) == 2 * len(whole_loop.OPTIMIZERS)
     for row in results["floor"]:
         assert row["bytes_per_param"] in (4, 8, 12)
         for key in ("model", "floor_ms", "torch_overhead_ms", "facade_overhead_ms"):
@@ -239,7 +238,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     compile_cases = {(r["section"], r["case"]) for r in results["compile"]}
     facades = ("facade", "facade+clip")
     assert compile_cases == (
-        {("torch", f"{v}, {o}") for o in torch_bench.OPTIMIZERS for v in facades}
+        {("torch", f"{v}, {o}") for o in whole_loop.OPTIMIZERS for v in facades}
         | {("whole", f"{v}, {g}") for g in WHOLE_GROUPS for v in facades}
         | {("ddp", f"{v}, DDP, {DDP_GROUP}") for v in facades}
         | {("jax", v) for v in jax_bench.VARIANTS}
@@ -293,7 +292,7 @@ HEADINGS = (
 def test_markdown_has_the_expected_rows(markdown: str) -> None:
     positions = [markdown.index(heading) for heading in HEADINGS]
     assert positions == sorted(positions)
-    for optimizer in torch_bench.OPTIMIZERS:
+    for optimizer in whole_loop.OPTIMIZERS:
         for clip in ("no", "yes"):
             assert f"| S | {optimizer} | {clip} |" in markdown  # scaler only
             for set_to_none in (True, False):
