@@ -6,7 +6,7 @@ One process measures, with the variants interleaved round by round (sections of 
    the scaler's calls, ``optimizer.step()``, ``optimizer.zero_grad()`` with torch's default and
    with ``set_to_none=False``): the facade against ``torch.amp.GradScaler("cpu")`` and a loop
    without a scaler, for SGD(foreach), SGD(fused) and AdamW(fused), without and with clipping
-   (:mod:`benchmarks.whole_bench`). The headline table;
+   (:mod:`workbench.whole_loop`). The headline table;
 2. ``scaler``: the scalers alone, on the gradients of one backward pass copied back into
    ``.grad`` before every step (:mod:`benchmarks.torch_bench`), with the machine's streaming rate
    and what fraction of that floor each scaler reaches (:mod:`benchmarks.bandwidth`);
@@ -19,7 +19,7 @@ One process measures, with the variants interleaved round by round (sections of 
    facade's share down);
 
 and the compile time of the first step and the compilations after warm-up. Sizes:
-:mod:`benchmarks.sizes`. Results: a markdown report on the terminal and in
+:mod:`workbench.sizes`. Results: a markdown report on the terminal and in
 ``bench_output/bench.md``, every raw number in ``bench_output/bench.json``.
 
 The device check (``python -m device_check``, ``make device-check``) is separate: see

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from benchmarks.timing import CompileCounter, Plan, Timing, Variant, measure
+from workbench.timing import CompileCounter, Plan, Timing, Variant, measure
 
 INPLACE = "torch mul_ in place"
 READ = "jax sum read-only"

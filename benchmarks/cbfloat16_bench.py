@@ -14,8 +14,8 @@ the same model), medians. Run alone: ``python -m benchmarks --sections cbfloat16
   float32, and dynamo's counts for it (graphs, breaks, frames compiled after the warm-up) are
   recorded.
 
-The JAX table times the demo's flax NNX GPT (``demo/jax_door.py``: 2 layers, width 64, batch
-32 x 64 bytes) in its jitted ``LossScaledOptimizer`` step, float32 against cbfloat16 with and
+The JAX table times the demo's flax NNX GPT (:mod:`workbench.byte_gpt_jax`: 2 layers, width 64,
+batch 32 x 64 bytes) in its jitted ``LossScaledOptimizer`` step, float32 against cbfloat16 with and
 without loss scaling, all compiled with XLA's default options.
 """
 
@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from workbench.tables import markdown_table
 
 ROUNDS = 5
 ITERS = 6
@@ -148,8 +150,8 @@ def run(
 
     ``small``: a 1-layer GPT-2 of width 32 on 2 x 16 bytes (the harness test's size).
     ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a CPU without
-    float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there: 28x float32 on
-    a Zen 5 EPYC).
+    float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there, many times
+    float32's: ``docs/performance-notes.md``).
     """
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -204,7 +206,7 @@ def run(
 def run_jax(
     rounds: int = ROUNDS, iters: int = 10, seed: int = 0, small: bool = False
 ) -> dict[str, Any]:
-    """The demo's JAX door: its jitted flax NNX step, float32 against cbfloat16 (with the
+    """The demo's JAX door's model and jitted flax NNX step (:mod:`workbench.byte_gpt_jax`), float32 against cbfloat16 (with the
     library's dynamic loss scaling and without), interleaved; medians of the ratios.
 
     ``small``: 1 layer of width 32, 4 x 16 bytes (the harness test's size)."""
@@ -214,8 +216,8 @@ def run_jax(
 
     import amp_core
     from amp_core.flax_nnx import LossScaledOptimizer
-    from demo import jax_door
-    from demo.text import ModelSize, Settings
+    from workbench.byte_gpt import ModelSize, Settings
+    from workbench.byte_gpt_jax import GPT, adamw, loss_scaled_step
 
     settings = Settings(seed=seed)
     if small:
@@ -225,15 +227,15 @@ def run_jax(
     rng = jax.random.key(seed)
     windows = jax.random.randint(rng, (settings.batch_size, settings.size.n_positions + 1), 0, 256)
     divisor = jnp.float32(1.0)
-    step_fn = jax.jit(jax_door._amp_core_step, static_argnums=0, donate_argnums=1)
+    step_fn = jax.jit(loss_scaled_step, static_argnums=0, donate_argnums=1)
     variants: dict[str, list[Any]] = {}
     for name, fmt, config in (
         ("float32", "float32", amp_core.StaticLossScale()),
         ("cbfloat16, no scaling", "cbfloat16", amp_core.StaticLossScale()),
         ("cbfloat16 + DLS", "cbfloat16", amp_core.DynamicLossScale(half_dtype="cbfloat16")),
     ):
-        model = jax_door.GPT(settings.size, seed, fmt)
-        optimizer = LossScaledOptimizer(model, jax_door._tx(settings), config, wrt=nnx.Param)
+        model = GPT(settings.size, seed, fmt)
+        optimizer = LossScaledOptimizer(model, adamw(settings), config, wrt=nnx.Param)
         graphdef, state = nnx.split((model, optimizer))
         variants[name] = [graphdef, state]
     samples: dict[str, list[float]] = {name: [] for name in variants}
@@ -267,6 +269,17 @@ def run_jax(
     return {"rounds": rounds, "iters": iters, "rows": rows}
 
 
+def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
+    """A variant per row: its median ms, its ratio to float32 and the ratio's spread."""
+    body = []
+    for row in rows:
+        low, high = row.get("spread", (row["ratio_to_float32"],) * 2)
+        ratio = f"{row['ratio_to_float32']:.2f}"
+        body.append([row["case"], f"{row['median_ms']:.1f}", ratio, f"[{low:.2f}, {high:.2f}]"])
+    header = ["variant", "median ms", "ratio to float32", "spread"]
+    return markdown_table(header, body, ["l", "r", "r", "l"])
+
+
 def markdown(result: dict[str, Any], number: int) -> list[str]:
     """The report's cbfloat16 section."""
     counts = result.get("compiled")
@@ -279,15 +292,8 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
         "iteration next to it, eager to eager and compiled to compiled, with its spread "
         "[min, max] (`python -m benchmarks --sections cbfloat16`).",
         "",
-        "| variant | median ms | ratio to float32 | spread |",
-        "|---|---:|---:|---|",
+        *_ratio_table(result["rows"]),
     ]
-    for row in result["rows"]:
-        low, high = row.get("spread", (row["ratio_to_float32"],) * 2)
-        out.append(
-            f"| {row['case']} | {row['median_ms']:.1f} | {row['ratio_to_float32']:.2f} "
-            f"| [{low:.2f}, {high:.2f}] |"
-        )
     if counts:
         out += [
             "",
@@ -304,13 +310,6 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
             "its jitted `LossScaledOptimizer` step, interleaved, "
             f"{jax_result['rounds']} rounds of {jax_result['iters']}:",
             "",
-            "| variant | median ms | ratio to float32 | spread |",
-            "|---|---:|---:|---|",
+            *_ratio_table(jax_result["rows"]),
         ]
-        for row in jax_result["rows"]:
-            low, high = row["spread"]
-            out.append(
-                f"| {row['case']} | {row['median_ms']:.1f} | {row['ratio_to_float32']:.2f} "
-                f"| [{low:.2f}, {high:.2f}] |"
-            )
     return [*out, ""]

@@ -22,19 +22,9 @@ from pathlib import Path
 from benchmarks import host_bench, plots, report
 from benchmarks.ddp_bench import ITERS as DDP_ITERS
 from benchmarks.runner import FULL_ROUNDS, QUICK_ROUNDS, SECTIONS, BenchOptions, run
-from benchmarks.sizes import FULL_SIZES, QUICK_SIZES, SIZES
 from benchmarks.torch_bench import WARMUP_STEPS
-
-
-def comma_names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
-    """A comma-separated list of names among ``known``."""
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in known]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown {what} {unknown or text!r}; choose from {', '.join(known)}"
-        )
-    return names
+from workbench.processes import comma_names
+from workbench.sizes import FULL_SIZES, QUICK_SIZES, SIZES
 
 
 def _sizes(text: str) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 
 Two processes are spawned; each wraps its own copy of a small model (size ``S`` by default) in
 ``DistributedDataParallel`` per variant and runs the whole-iteration variants of
-:mod:`benchmarks.whole_bench` (fused AdamW, torch's default ``zero_grad``) interleaved, with the
+:mod:`workbench.whole_loop` (fused AdamW, torch's default ``zero_grad``) interleaved, with the
 same fixed number of iterations on both ranks (the all-reduce in every backward keeps them in
 step). Rank 0's timings are reported. Each rank uses one torch thread; on a 2-core machine the two
 ranks, their XLA threads and gloo share the cores, so the numbers are small and noisy.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -26,9 +25,10 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks import whole_bench
-from benchmarks.sizes import SIZES
-from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing
+from workbench import whole_loop
+from workbench.processes import free_port
+from workbench.sizes import SIZES
+from workbench.timing import CompileCounter, FirstStep, Plan, Timing
 
 WORLD_SIZE = 2
 OPTIMIZER = "AdamW fused"
@@ -55,7 +55,7 @@ class DdpSettings:
     """What each rank runs.
 
     Attributes:
-        size: the model's size (a key of :data:`benchmarks.sizes.SIZES`).
+        size: the model's size (a key of :data:`workbench.sizes.SIZES`).
         rounds: timed rounds.
         iters: iterations per variant and round.
         warmup: untimed iterations per variant after its first.
@@ -82,20 +82,13 @@ class DdpResult:
     """
 
     settings: DdpSettings
-    group: whole_bench.WholeGroup
+    group: whole_loop.WholeGroup
     tensors: int
     params: int
     seconds: float
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _group_to_json(group: whole_bench.WholeGroup, workload: whole_bench.Workload) -> dict[str, Any]:
+def _group_to_json(group: whole_loop.WholeGroup, workload: whole_loop.Workload) -> dict[str, Any]:
     return {
         "first": {k: dataclasses.asdict(v) for k, v in group.first.items()},
         "timings": {k: dataclasses.asdict(v) for k, v in group.timings.items()},
@@ -117,18 +110,18 @@ def _rank_main(rank: int, settings: DdpSettings, port: int, out: str) -> None:
     )
     try:
         spec = SIZES[settings.size]
-        workload = whole_bench.make_workload(spec, settings.seed, token_seed=settings.seed + rank)
+        workload = whole_loop.make_workload(spec, settings.seed, token_seed=settings.seed + rank)
         plan = Plan(settings.rounds, settings.iters, settings.warmup, fixed_iters=True)
         counter = CompileCounter()
         with counter.listening():
-            group = whole_bench.run_group(
+            group = whole_loop.run_group(
                 workload,
                 OPTIMIZER,
                 SET_TO_NONE,
                 plan,
                 counter,
                 wrap=_ddp,
-                variants=whole_bench.VARIANTS,
+                variants=whole_loop.VARIANTS,
             )
         if rank == 0:
             Path(out).write_text(json.dumps(_group_to_json(group, workload)))
@@ -155,7 +148,7 @@ def _join(context: torch.multiprocessing.ProcessContext, timeout_s: float) -> No
 
 def _load(path: Path, settings: DdpSettings, seconds: float) -> DdpResult:
     data = json.loads(path.read_text())
-    group = whole_bench.WholeGroup(
+    group = whole_loop.WholeGroup(
         OPTIMIZER,
         SET_TO_NONE,
         {k: FirstStep(**v) for k, v in data["first"].items()},

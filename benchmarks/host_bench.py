@@ -2,7 +2,7 @@
 
 A model of ``n`` one-element parameters whose loss is their sum (``torch.stack(params).sum()``:
 backward hands every parameter a fresh, independent, 64-byte-aligned ``1.0``), trained with the
-documented loop of :mod:`benchmarks.whole_bench` (``zero_grad()`` with torch's default, forward,
+documented loop of :mod:`workbench.whole_loop` (``zero_grad()`` with torch's default, forward,
 ``scale(loss).backward()``, ``step``, ``update``). There is nothing to compute, so a scaler's
 overhead over the bare loop is its per-tensor bookkeeping, crossing and dispatch: the part of its
 cost that on a GPU would be host time between kernel launches. ``n`` = 148 is the tensor count of
@@ -21,17 +21,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks import whole_bench
-from benchmarks.timing import CompileCounter, Plan
+from workbench import whole_loop
+from workbench.timing import CompileCounter, Plan
 
 TENSORS = (148, 1000)
 """Gradient tensor counts measured by default."""
 
 OPTIMIZERS = ("SGD foreach", "AdamW fused")
-"""Keys of :data:`benchmarks.torch_bench.OPTIMIZERS` measured."""
+"""Keys of :data:`benchmarks.whole_loop.OPTIMIZERS` measured."""
 
 VARIANTS = ("bare", "torch", "facade")
-"""The whole-iteration variants compared (:data:`benchmarks.whole_bench.VARIANTS`)."""
+"""The whole-iteration variants compared (:data:`workbench.whole_loop.VARIANTS`)."""
 
 
 class ScalarSum(nn.Module):
@@ -67,9 +67,9 @@ def _scalar_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens)
 
 
-def make_workload(tensors: int, seed: int = 0) -> whole_bench.Workload:
-    """A :class:`~benchmarks.whole_bench.Workload` of ``tensors`` one-element parameters."""
-    return whole_bench.Workload(
+def make_workload(tensors: int, seed: int = 0) -> whole_loop.Workload:
+    """A :class:`~workbench.whole_loop.Workload` of ``tensors`` one-element parameters."""
+    return whole_loop.Workload(
         spec=None, model=ScalarSum(tensors, seed), tokens=torch.zeros(0), loss_fn=_scalar_loss
     )
 
@@ -86,7 +86,7 @@ def run_group(
     counter: CompileCounter,
     on_round: Callable[[], object] = lambda: None,
     seed: int = 0,
-) -> whole_bench.WholeGroup:
+) -> whole_loop.WholeGroup:
     """Measures :data:`VARIANTS` on ``tensors`` one-element gradients, interleaved.
 
     Args:
@@ -98,6 +98,6 @@ def run_group(
         seed: seeds the parameter values.
     """
     workload = make_workload(tensors, seed)
-    return whole_bench.run_group(
+    return whole_loop.run_group(
         workload, optimizer, True, plan, counter, on_round, variants=VARIANTS
     )

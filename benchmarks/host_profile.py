@@ -6,7 +6,7 @@
 1. **Call timers**: the median host time of every call of an iteration (``zero_grad`` and the
    forward pass, ``scale``, ``backward``, ``unscale_`` with ``--unscale``, ``step``, ``update``)
    for the bare loop, ``torch.amp.GradScaler`` and the facade, the loops taking turns in runs
-   of :data:`RUN` iterations, in us per call and per tensor; these are the real costs.
+   of :data:`~workbench.call_timers.RUN` iterations, in us per call and per tensor; these are the real costs.
 2. **Stage timers inside the facade, in the loop**: the median time of each stage of the
    facade's decision and multiply (reading the gradients, the DLPack import, the jitted core
    call, the export of its result, the in-place multiply), measured by wrapping them while the
@@ -27,7 +27,8 @@ Examples::
     python -m benchmarks.host_profile --tensors 148 --optimizer "SGD foreach" --top 30
     python -m benchmarks.host_profile --tensors 1000 --out host_profile_output
 
-:func:`time_calls` is also the per-call timer of :mod:`device_check`.
+:func:`workbench.call_timers.time_calls` times the calls (the device check's per-call timer
+too).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import gc
 import json
 import math
 import os
@@ -50,78 +50,19 @@ from typing import Any
 import jax
 import torch
 
-from benchmarks import host_bench, whole_bench
-from benchmarks.report import _finite, _num, _table
-from benchmarks.torch_bench import OPTIMIZERS
-
-PHASES = ("loss", "scale", "backward", "unscale_", "step", "update")
-"""The calls of one iteration, in order: ``loss`` is ``zero_grad`` and the forward pass; the
-bare loop has no ``scale``, ``unscale_`` or ``update`` and its ``step`` is
-``optimizer.step()``."""
-
-SCALER_CALLS = ("scale", "unscale_", "step", "update")
-"""The scaler's own calls among :data:`PHASES`."""
+from benchmarks import host_bench
+from workbench import whole_loop
+from workbench.call_timers import PHASES, RUN, median_calls, time_calls
+from workbench.jsonsafe import finite
+from workbench.tables import markdown_table, number
+from workbench.whole_loop import OPTIMIZERS
 
 VARIANTS = ("bare", "torch", "facade")
-"""The loops timed (names of :class:`benchmarks.whole_bench.TrainLoop` variants)."""
-
-RUN = 10
-"""The loops take turns in runs of this many timed iterations, each run after one untimed
-iteration of its loop: every timed iteration follows one of its own loop's, as in training
-(see :class:`benchmarks.timing.Plan`)."""
+"""The loops timed (names of :class:`workbench.whole_loop.TrainLoop` variants)."""
 
 JSON_NAME = "host_profile.json"
 MARKDOWN_NAME = "host_profile.md"
 _REPO = Path(__file__).resolve().parent.parent
-
-
-def time_calls(loop: whole_bench.TrainLoop, unscale: bool = False) -> dict[str, float]:
-    """Runs one iteration of ``loop``'s documented loop and times each call on the host.
-
-    On a CUDA device the device is synchronized after ``backward`` and at the end of the
-    iteration (both untimed), so that each scaler call is timed with the device idle: host cost,
-    not a wait for queued work (``device_check``'s sleep probe measures waiting).
-
-    Args:
-        loop: a ``bare``, ``torch`` or ``facade`` variant.
-        unscale: call ``scaler.unscale_(optimizer)`` before ``step`` (scaled variants only).
-
-    Returns:
-        Seconds per phase of :data:`PHASES` that the variant has.
-    """
-    scaler, optimizer = loop.scaler, loop.optimizer
-    cuda = loop.device.type == "cuda"
-    times: dict[str, float] = {}
-    start = time.perf_counter()
-    loss = loop.loss()
-    mark = time.perf_counter()
-    times["loss"] = mark - start
-    if scaler is not None:
-        loss = scaler.scale(loss)
-        times["scale"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    loss.backward()
-    if cuda:
-        torch.cuda.synchronize(loop.device)
-    times["backward"] = time.perf_counter() - mark
-    if scaler is None:
-        mark = time.perf_counter()
-        optimizer.step()
-        times["step"] = time.perf_counter() - mark
-    else:
-        if unscale:
-            mark = time.perf_counter()
-            scaler.unscale_(optimizer)
-            times["unscale_"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        scaler.step(optimizer)
-        times["step"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        scaler.update()
-        times["update"] = time.perf_counter() - mark
-    if cuda:
-        torch.cuda.synchronize(loop.device)
-    return times
 
 
 STAGES = ("read", "import", "core", "export", "multiply", "bare jit")
@@ -129,7 +70,7 @@ STAGES = ("read", "import", "core", "export", "multiply", "bare jit")
 
 
 def stage_timers(
-    loops: dict[str, whole_bench.TrainLoop], iters: int, warmup: int, unscale: bool = False
+    loops: dict[str, whole_loop.TrainLoop], iters: int, warmup: int, unscale: bool = False
 ) -> dict[str, float]:
     """Median seconds of each of :data:`STAGES` inside the facade's calls, in the loop.
 
@@ -140,10 +81,10 @@ def stage_timers(
     """
     from unittest import mock
 
-    from benchmarks.internals import carry as _carry
-    from benchmarks.internals import cores as _cores
-    from benchmarks.internals import dlpack as _dlpack
-    from benchmarks.internals import gradients as _gradients
+    from workbench.internals import carry as _carry
+    from workbench.internals import cores as _cores
+    from workbench.internals import dlpack as _dlpack
+    from workbench.internals import gradients as _gradients
 
     samples: dict[str, list[float]] = {stage: [] for stage in STAGES}
     recording = [False]
@@ -203,39 +144,6 @@ def stage_timers(
     return {stage: statistics.median(v) if v else math.nan for stage, v in samples.items()}
 
 
-def median_calls(
-    loops: dict[str, whole_bench.TrainLoop], iters: int, warmup: int, unscale: bool = False
-) -> dict[str, dict[str, float]]:
-    """Median seconds per call of every loop, the loops taking turns in runs of :data:`RUN`
-    iterations (each run after one untimed iteration of its loop).
-
-    Returns:
-        ``{variant: {phase: median seconds}}``, plus ``"scaler"``: the sum of the scaler calls'
-        medians (the scaled variants only).
-    """
-    for _ in range(warmup):
-        for loop in loops.values():
-            time_calls(loop, unscale)
-    samples: dict[str, dict[str, list[float]]] = {name: {} for name in loops}
-    gc.collect()
-    gc.disable()
-    try:
-        for start in range(0, iters, RUN):
-            for name, loop in loops.items():
-                time_calls(loop, unscale)  # untimed: follows the other loops' runs
-                for _ in range(min(RUN, iters - start)):
-                    for phase, seconds in time_calls(loop, unscale).items():
-                        samples[name].setdefault(phase, []).append(seconds)
-    finally:
-        gc.enable()
-    medians = {}
-    for name, phases in samples.items():
-        medians[name] = {phase: statistics.median(values) for phase, values in phases.items()}
-        if loops[name].scaler is not None:
-            medians[name]["scaler"] = sum(medians[name].get(c, 0.0) for c in SCALER_CALLS)
-    return medians
-
-
 def _where(filename: str) -> str:
     """A source path relative to ``site-packages`` or to the repository; ``""`` for built-ins."""
     if filename.startswith("~") or filename.startswith("<"):
@@ -290,7 +198,7 @@ def _rows(entries: list[dict[str, Any]], key: str, top: int) -> list[dict[str, A
 
 
 def profile_facade(
-    loop: whole_bench.TrainLoop, iters: int, tensors: int, top: int, unscale: bool = False
+    loop: whole_loop.TrainLoop, iters: int, tensors: int, top: int, unscale: bool = False
 ) -> dict[str, Any]:
     """cProfile of the facade's calls over ``iters`` iterations of ``loop`` (a facade variant).
 
@@ -368,7 +276,7 @@ def run(
         ``profile`` (see :func:`profile_facade`).
     """
     workload = host_bench.make_workload(tensors, seed)
-    loops = {name: whole_bench.TrainLoop(name, optimizer, True, workload) for name in VARIANTS}
+    loops = {name: whole_loop.TrainLoop(name, optimizer, True, workload) for name in VARIANTS}
     medians = median_calls(loops, iters, warmup, unscale)
     calls = {
         name: {
@@ -415,18 +323,18 @@ def markdown(result: dict[str, Any]) -> str:
         "`loss` = `zero_grad()` + forward; `scaler` = the sum of the scaler calls' medians.",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         ["call", *VARIANTS, "facade - torch"],
         [
             [
                 phase,
                 *(
-                    f"{_num(calls[v][phase]['us'])} [{_num(calls[v][phase]['us_per_tensor'])}]"
+                    f"{number(calls[v][phase]['us'])} [{number(calls[v][phase]['us_per_tensor'])}]"
                     if phase in calls[v]
                     else ""
                     for v in VARIANTS
                 ),
-                _num(calls["facade"][phase]["us"] - calls["torch"][phase]["us"])
+                number(calls["facade"][phase]["us"] - calls["torch"][phase]["us"])
                 if phase in calls["facade"] and phase in calls["torch"]
                 else "",
             ]
@@ -449,15 +357,15 @@ def markdown(result: dict[str, Any]) -> str:
         "place, on alternate iterations: any call into XLA at that point of the loop. `import`: "
         "n/a when every gradient is small, read through buffers imported once. The floor of a "
         "design that decides in XLA (import + bare jit + export): "
-        f"{_num(floor)} us, against torch's whole scaler overhead "
-        f"of {_num(torch_overhead)} us (its scaler calls minus the bare optimizer step, from the "
+        f"{number(floor)} us, against torch's whole scaler overhead "
+        f"of {number(torch_overhead)} us (its scaler calls minus the bare optimizer step, from the "
         "call timers).",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         ["stage", "us", "us / tensor"],
         [
-            [stage, _num(stages[stage]["us"]), _num(stages[stage]["us_per_tensor"])]
+            [stage, number(stages[stage]["us"]), number(stages[stage]["us_per_tensor"])]
             for stage in STAGES
         ],
         ["l", "r", "r"],
@@ -466,20 +374,20 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"## cProfile of the facade's calls ({profile['iterations']} iterations)",
         "",
-        f"Profiled total {_num(profile['total_us_per_iteration'])} us per iteration "
-        f"({_num(profile['total_us_per_tensor'])} per tensor), cProfile's overhead included.",
+        f"Profiled total {number(profile['total_us_per_iteration'])} us per iteration "
+        f"({number(profile['total_us_per_tensor'])} per tensor), cProfile's overhead included.",
         "",
         "Self time by package (built-ins charged to their callers; `torch.optim` is the "
         "optimizer step itself, which torch's scaler pays too):",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         ["package", "us / iteration", "us / tensor", "share"],
         [
             [
                 p["package"],
-                _num(p["self_us_per_iteration"]),
-                _num(p["self_us_per_tensor"]),
+                number(p["self_us_per_iteration"]),
+                number(p["self_us_per_tensor"]),
                 f"{p['share']:.0%}" if p["share"] is not None else "n/a",
             ]
             for p in profile["by_package"]
@@ -488,14 +396,14 @@ def markdown(result: dict[str, Any]) -> str:
     )
     for key, title in (("by_self", "self"), ("by_cumulative", "cumulative")):
         out += ["", f"Top functions by {title} time:", ""]
-        out += _table(
+        out += markdown_table(
             ["function", "calls / iteration", f"{title} us / iteration", f"{title} us / tensor"],
             [
                 [
                     f"`{e['function']}`",
-                    _num(e["calls_per_iteration"]),
-                    _num(e[f"{title}_us_per_iteration"]),
-                    _num(e[f"{title}_us_per_tensor"]),
+                    number(e["calls_per_iteration"]),
+                    number(e[f"{title}_us_per_iteration"]),
+                    number(e[f"{title}_us_per_tensor"]),
                 ]
                 for e in profile[key]
             ],
@@ -546,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / MARKDOWN_NAME).write_text(text)
-        (args.out / JSON_NAME).write_text(json.dumps(_finite(result), indent=1) + "\n")
+        (args.out / JSON_NAME).write_text(json.dumps(finite(result), indent=1) + "\n")
         print(f"\nWrote {args.out / MARKDOWN_NAME} and {args.out / JSON_NAME}")
     return 0
 

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import optax
 
 import amp_core
-from benchmarks.sizes import GradientSet
-from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
-from benchmarks.torch_bench import BIG_NORM, LEARNING_RATE, LOSS_SCALE, NEVER
+from benchmarks.torch_bench import BIG_NORM
+from workbench.sizes import GradientSet
+from workbench.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
+from workbench.whole_loop import LEARNING_RATE, LOSS_SCALE, NEVER
 
 FUSED_APPLY = "+ DLS, apply_scaled_gradients"
 GATED_FLOOR = "optax adamw gated by one read (floor)"

@@ -2,56 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from benchmarks import cbfloat16_bench, startup_bench, step_bench
+from workbench.jsonsafe import write_json
+from workbench.tables import markdown_table, number, stats_cell, yes
+from workbench.whole_loop import comparison_table
 
 MARKDOWN_NAME = "bench.md"
 JSON_NAME = "bench.json"
-
-
-def _num(value: float | None) -> str:
-    """Three significant digits, without an exponent.
-
-    Example:
-        >>> from benchmarks.report import _num
-        >>> _num(12.345), _num(0.012345), _num(1234.5), _num(float("nan")), _num(None)
-        ('12.3', '0.0123', '1234', 'n/a', 'n/a')
-    """
-    if value is None or not math.isfinite(value):  # None: undefined (null in the JSON)
-        return "n/a"
-    if abs(value) < 1e-9:
-        return "0"
-    digits = max(0, 2 - math.floor(math.log10(abs(value))))
-    return f"{value:.{digits}f}"
-
-
-def _cell(stats: dict[str, float], suffix: str = "") -> str:
-    """``median [min, max]``, the median followed by ``suffix`` unless it is undefined.
-
-    Example:
-        >>> from benchmarks.report import _cell
-        >>> _cell({"median": 1.5, "min": 1.0, "max": 2.0}, "x"), _cell({"median": None, "min": None, "max": None}, "x")
-        ('1.50x [1.00, 2.00]', 'n/a [n/a, n/a]')
-    """
-    median = _num(stats["median"])
-    if median != "n/a":
-        median += suffix
-    return f"{median} [{_num(stats['min'])}, {_num(stats['max'])}]"
-
-
-def _table(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |"]
-    lines.append("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
 
 
 def _iters(results: dict[str, Any], section: str) -> str:
@@ -120,7 +81,7 @@ def _cpu_note(meta: dict[str, Any]) -> str:
     if not features:
         return f"CPU: {model}; its features could not be read."
     listed = sorted(features.items(), key=lambda item: not item[1])
-    return f"CPU: {model}; " + "; ".join(f"{k}: {_yes(v)}" for k, v in listed) + "."
+    return f"CPU: {model}; " + "; ".join(f"{k}: {yes(v)}" for k, v in listed) + "."
 
 
 def _header(results: dict[str, Any]) -> list[str]:
@@ -147,42 +108,6 @@ def _header(results: dict[str, Any]) -> list[str]:
         ),
         *_load_note(meta, sizes),
     ]
-
-
-def _comparison_table(rows: list[dict[str, Any]], with_set_to_none: bool) -> list[str]:
-    """Whole-iteration rows: both ratios first, then the medians in ms."""
-    header = ["size", "optimizer", "clip"] + (["set_to_none"] if with_set_to_none else [])
-    header += [
-        "facade/torch iteration",
-        "facade/torch overhead",
-        "bare",
-        "torch",
-        "facade",
-        "torch overhead",
-        "facade overhead",
-    ]
-    with_floor = any("floor_overhead_ms" in r for r in rows)
-    header += ["XLA-read floor overhead"] if with_floor else []
-    body = []
-    for r in rows:
-        line = [r["size"], r["optimizer"], _yes(r["clip"])]
-        line += [str(r["set_to_none"])] if with_set_to_none else []
-        line += [_cell(r["step_ratio"], "x"), _cell(r["overhead_ratio"], "x")]
-        line += [
-            _num(r[key]["median"])
-            for key in (
-                "bare_ms",
-                "torch_ms",
-                "facade_ms",
-                "torch_overhead_ms",
-                "facade_overhead_ms",
-            )
-        ]
-        if with_floor:
-            line.append(_num(r.get("floor_overhead_ms", {}).get("median")))
-        body.append(line)
-    n_right = 7 + with_floor
-    return _table(header, body, ["l"] * (len(header) - n_right) + ["r"] * n_right)
 
 
 def _overflow_note(rows: list[dict[str, Any]]) -> str:
@@ -216,7 +141,7 @@ def _subnormal_note(sizes: dict[str, Any]) -> str:
     return text + "."
 
 
-def _whole_section(results: dict[str, Any], number: int) -> list[str]:
+def _whole_section(results: dict[str, Any], heading: int) -> list[str]:
     rows = results["whole"]
     meta = results["meta"]
     tokens = ", ".join(
@@ -225,7 +150,7 @@ def _whole_section(results: dict[str, Any], number: int) -> list[str]:
         if s.get("whole")
     )
     out = [
-        f"## {number}. Whole iteration of the documented loop: the facade against "
+        f"## {heading}. Whole iteration of the documented loop: the facade against "
         '`torch.amp.GradScaler("cpu")` (ms per iteration)',
         "",
         "Loop: `optimizer.zero_grad(set_to_none=...)`; forward of the size's GPT-2-like model and "
@@ -254,12 +179,12 @@ def _whole_section(results: dict[str, Any], number: int) -> list[str]:
         _subnormal_note(results["sizes"]),
         "",
     ]
-    return out + _comparison_table(rows, with_set_to_none=True) + [""]
+    return out + comparison_table(rows, with_set_to_none=True) + [""]
 
 
-def _scaler_section(results: dict[str, Any], number: int) -> list[str]:
+def _scaler_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Scaler only, gradients refilled in place: the facade against "
+        f"## {heading}. Scaler only, gradients refilled in place: the facade against "
         '`torch.amp.GradScaler("cpu")` (ms per step)',
         "",
         "Not the loop users run: the gradients of one backward pass are copied back into the "
@@ -272,7 +197,7 @@ def _scaler_section(results: dict[str, Any], number: int) -> list[str]:
         f"same round. Steps per round: {_iters(results, 'torch')}.",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         [
             "size",
             "optimizer",
@@ -289,14 +214,14 @@ def _scaler_section(results: dict[str, Any], number: int) -> list[str]:
             [
                 r["size"],
                 r["optimizer"],
-                _yes(r["clip"]),
-                _cell(r["bare_ms"]),
-                _cell(r["torch_ms"]),
-                _cell(r["facade_ms"]),
-                _cell(r["step_ratio"], "x"),
-                _cell(r["torch_overhead_ms"]),
-                _cell(r["facade_overhead_ms"]),
-                _cell(r["overhead_ratio"], "x"),
+                yes(r["clip"]),
+                stats_cell(r["bare_ms"]),
+                stats_cell(r["torch_ms"]),
+                stats_cell(r["facade_ms"]),
+                stats_cell(r["step_ratio"], "x"),
+                stats_cell(r["torch_overhead_ms"]),
+                stats_cell(r["facade_overhead_ms"]),
+                stats_cell(r["overhead_ratio"], "x"),
             ]
             for r in results["torch"]
         ],
@@ -305,10 +230,10 @@ def _scaler_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _ddp_section(results: dict[str, Any], number: int) -> list[str]:
+def _ddp_section(results: dict[str, Any], heading: int) -> list[str]:
     ddp = results["ddp"]
     out = [
-        f"## {number}. Whole iteration under DistributedDataParallel, 2 ranks on the CPU "
+        f"## {heading}. Whole iteration under DistributedDataParallel, 2 ranks on the CPU "
         "(small and noisy on 2 cores)",
         "",
     ]
@@ -322,12 +247,12 @@ def _ddp_section(results: dict[str, Any], number: int) -> list[str]:
         f"`zero_grad()` with torch's default; the whole-iteration loop, interleaved with the same "
         f"{ddp['iters']} iterations per round on both ranks; rank 0's times. The ranks, their "
         f"XLA threads and gloo share the machine's cores: a yardstick, not a headline. Section "
-        f"wall time {_num(ddp['seconds'])} s.",
+        f"wall time {number(ddp['seconds'])} s.",
         "",
         _overflow_note(ddp["rows"]),
         "",
     ]
-    return out + _comparison_table(ddp["rows"], with_set_to_none=False) + [""]
+    return out + comparison_table(ddp["rows"], with_set_to_none=False) + [""]
 
 
 def _ratio_cell(stats: dict[str, Any], floor: float | None = None) -> str:
@@ -346,9 +271,9 @@ def _ratio_cell(stats: dict[str, Any], floor: float | None = None) -> str:
         >>> _ratio_cell({"median": 1.05, "min": 0.9, "max": 1.1}, floor=1.0)
         '1.05x [0.900, 1.10]'
     """
-    if _num(stats["median"]) == "n/a":
+    if number(stats["median"]) == "n/a":
         return "n/a"
-    cell = _cell(stats, "x")
+    cell = stats_cell(stats, "x")
     if floor is not None and stats["median"] < floor:
         if stats["max"] is not None and stats["max"] >= floor:
             cell += f" (noise: below its {floor:.2f}x floor)"
@@ -383,11 +308,11 @@ optax's work and more; the floor adds the global norm to plain's, the gated floo
 update wait for it, and ``amp_core`` does both (and its decision)."""
 
 
-def _step_section(results: dict[str, Any], number: int) -> list[str]:
+def _step_section(results: dict[str, Any], heading: int) -> list[str]:
     step = results["step"]
     versions = ", ".join(f"{name} {v or 'not installed'}" for name, v in step["versions"].items())
     out = [
-        f"## {number}. The JAX train step as users write it: `amp_core` against plain optax, "
+        f"## {heading}. The JAX train step as users write it: `amp_core` against plain optax, "
         "the floor and the other JAX loss scalers (ms per step)",
         "",
         "One `jax.jit` over forward, backward and update, parameters and optimizer state "
@@ -427,20 +352,20 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
     body = []
     for name, cells in by_variant.items():
         first = next(iter(cells.values()))
-        line = [name, first["skip"], _yes(first["counts_skips"])]
+        line = [name, first["skip"], yes(first["counts_skips"])]
         for loss in losses:
             row = cells.get(loss)
             if row is None:
                 line += ["n/a"] * 4
                 continue
-            line += [_num(row["ms"]["median"])]
+            line += [number(row["ms"]["median"])]
             line += [
                 _ratio_cell(row[column], STEP_FLOORS[column].get(name))
                 for column in ("ratio_plain", "ratio_floor", "ratio_gated_floor")
             ]
         line.append("/".join(str(cells[loss]["traces"]) for loss in losses if loss in cells))
         body.append(line)
-    out += _table(header, body, ["l", "l", "l"] + ["r"] * (len(header) - 3))
+    out += markdown_table(header, body, ["l", "l", "l"] + ["r"] * (len(header) - 3))
     out += [
         "",
         "Skip and growth check of every scaler (`benchmarks/scaler_checks.py`): a 2-leaf model "
@@ -458,15 +383,15 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
         check_rows.append(
             [
                 c["scaler"],
-                _yes(c["skip_bit_identical"]),
-                _yes(c["scale_halved"]),
-                _yes(c["counts_skips"]),
+                yes(c["skip_bit_identical"]),
+                yes(c["scale_halved"]),
+                yes(c["counts_skips"]),
                 "never" if c["growth_step"] is None else str(c["growth_step"]),
                 "yes" if c["gradients_exact"] else "no: " + "; ".join(c["mismatches"]),
                 str(c["traces"]),
             ]
         )
-    out += _table(
+    out += markdown_table(
         [
             "scaler",
             "overflow skipped bit-identically",
@@ -494,9 +419,9 @@ def _step_section(results: dict[str, Any], number: int) -> list[str]:
     return out
 
 
-def _jax_section(results: dict[str, Any], number: int) -> list[str]:
+def _jax_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Second view, gradients as inputs: jitted optax AdamW update, alone and "
+        f"## {heading}. Second view, gradients as inputs: jitted optax AdamW update, alone and "
         "loss-scaled through `amp_core` (ms)",
         "",
         "Not the step users write (that is the train-step table): the gradients of one torch "
@@ -509,7 +434,7 @@ def _jax_section(results: dict[str, Any], number: int) -> list[str]:
         f"Steps per round: {_iters(results, 'jax')}.",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         [
             "size",
             "optax adamw",
@@ -527,17 +452,17 @@ def _jax_section(results: dict[str, Any], number: int) -> list[str]:
         [
             [
                 r["size"],
-                _cell(r["adamw_ms"]),
-                _cell(r["floor_ms"]),
-                _cell(r["dls_ms"]),
-                _cell(r["dls_gcc_ms"]),
-                _cell(r["dls_fused_ms"]),
-                _cell(r["floor_ratio"], "x"),
-                _cell(r["dls_ratio"], "x"),
-                _cell(r["dls_gcc_ratio"], "x"),
-                _cell(r["dls_fused_ratio"], "x"),
-                _cell(r["dls_over_floor"], "x"),
-                _cell(r["dls_fused_over_floor"], "x"),
+                stats_cell(r["adamw_ms"]),
+                stats_cell(r["floor_ms"]),
+                stats_cell(r["dls_ms"]),
+                stats_cell(r["dls_gcc_ms"]),
+                stats_cell(r["dls_fused_ms"]),
+                stats_cell(r["floor_ratio"], "x"),
+                stats_cell(r["dls_ratio"], "x"),
+                stats_cell(r["dls_gcc_ratio"], "x"),
+                stats_cell(r["dls_fused_ratio"], "x"),
+                stats_cell(r["dls_over_floor"], "x"),
+                stats_cell(r["dls_fused_over_floor"], "x"),
             ]
             for r in results["jax"]
         ],
@@ -546,19 +471,24 @@ def _jax_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
+def _bandwidth_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Bandwidth floor",
+        f"## {heading}. Bandwidth floor",
         "",
         "Streaming rates on a float32 buffer of the size's parameter count: torch "
         "`buf.mul_(1.0)` (read+write, 8 B/element) and a jitted JAX `sum` over the same memory "
         "(read, 4 B/element), in GB/s.",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         ["size", "params", "in-place GB/s", "read-only GB/s"],
         [
-            [r["size"], f"{r['params']:,}", _cell(r["inplace_gbps"]), _cell(r["read_gbps"])]
+            [
+                r["size"],
+                f"{r['params']:,}",
+                stats_cell(r["inplace_gbps"]),
+                stats_cell(r["read_gbps"]),
+            ]
             for r in results["bandwidth"]
         ],
         ["l", "r", "r", "r"],
@@ -573,7 +503,7 @@ def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
         "step (1.0 = at the floor; n/a if the overhead is not positive).",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         [
             "size",
             "optimizer",
@@ -589,13 +519,13 @@ def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
             [
                 r["size"],
                 r["optimizer"],
-                _yes(r["clip"]),
+                yes(r["clip"]),
                 str(r["bytes_per_param"]),
-                _num(r["floor_ms"]),
-                _num(r["torch_overhead_ms"]),
-                _num(r["torch_fraction"]),
-                _num(r["facade_overhead_ms"]),
-                _num(r["facade_fraction"]),
+                number(r["floor_ms"]),
+                number(r["torch_overhead_ms"]),
+                number(r["torch_fraction"]),
+                number(r["facade_overhead_ms"]),
+                number(r["facade_fraction"]),
             ]
             for r in results["floor"]
         ],
@@ -604,10 +534,10 @@ def _bandwidth_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _host_section(results: dict[str, Any], number: int) -> list[str]:
+def _host_section(results: dict[str, Any], heading: int) -> list[str]:
     rows = results["host"]
     out = [
-        f"## {number}. Host cost per gradient tensor: one-element gradients, nothing to compute "
+        f"## {heading}. Host cost per gradient tensor: one-element gradients, nothing to compute "
         "(ms per iteration)",
         "",
         "The CPU's stand-in for a launch-bound GPU loop. Model: N one-element parameters, loss "
@@ -629,7 +559,7 @@ def _host_section(results: dict[str, Any], number: int) -> list[str]:
         _overflow_note([{**r, "size": f"{r['tensors']} x 1", "clip": False} for r in rows]),
         "",
     ]
-    out += _table(
+    out += markdown_table(
         [
             "tensors",
             "optimizer",
@@ -647,9 +577,9 @@ def _host_section(results: dict[str, Any], number: int) -> list[str]:
             [
                 f"{r['tensors']:,}",
                 r["optimizer"],
-                _cell(r["calls_overhead_ratio"], "x"),
+                stats_cell(r["calls_overhead_ratio"], "x"),
                 *(
-                    _num(r[key]["median"])
+                    number(r[key]["median"])
                     for key in (
                         "torch_calls_overhead_ms",
                         "facade_calls_overhead_ms",
@@ -660,7 +590,7 @@ def _host_section(results: dict[str, Any], number: int) -> list[str]:
                         "facade_ms",
                     )
                 ),
-                _cell(r["overhead_ratio"], "x"),
+                stats_cell(r["overhead_ratio"], "x"),
             ]
             for r in rows
         ],
@@ -669,9 +599,9 @@ def _host_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _compile_section(results: dict[str, Any], number: int) -> list[str]:
+def _compile_section(results: dict[str, Any], heading: int) -> list[str]:
     out = [
-        f"## {number}. Compilation",
+        f"## {heading}. Compilation",
         "",
         "First step: wall time of the first call (for the facade: after constructing the "
         "scaler; includes its first look at the gradients). Compiles: XLA backend compilations during "
@@ -681,15 +611,15 @@ def _compile_section(results: dict[str, Any], number: int) -> list[str]:
         f"{results['meta'].get('compiles_after_warmup_total')}.",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         ["size", "section", "case", "first step s", "compiles (s)", "compiles after warm-up"],
         [
             [
                 r["size"],
                 r["section"],
                 r["case"],
-                _num(r["first_step_s"]),
-                f"{r['first_step_compiles']} ({_num(r['first_step_compile_s'])})",
+                number(r["first_step_s"]),
+                f"{r['first_step_compiles']} ({number(r['first_step_compile_s'])})",
                 str(r["compiles_after_warmup"]),
             ]
             for r in results["compile"]
@@ -699,12 +629,12 @@ def _compile_section(results: dict[str, Any], number: int) -> list[str]:
     return [*out, ""]
 
 
-def _startup_section(results: dict[str, Any], number: int) -> list[str]:
-    return startup_bench.markdown(results["startup"], number)
+def _startup_section(results: dict[str, Any], heading: int) -> list[str]:
+    return startup_bench.markdown(results["startup"], heading)
 
 
-def _cbfloat16_section(results: dict[str, Any], number: int) -> list[str]:
-    return cbfloat16_bench.markdown(results["cbfloat16"], number)
+def _cbfloat16_section(results: dict[str, Any], heading: int) -> list[str]:
+    return cbfloat16_bench.markdown(results["cbfloat16"], heading)
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -722,23 +652,12 @@ def markdown(results: dict[str, Any]) -> str:
         (results.get("cbfloat16") is not None, _cbfloat16_section),
     ]
     out = _header(results)
-    number = 0
+    heading = 0
     for present, render in sections:
         if present:
-            number += 1
-            out += render(results, number)
+            heading += 1
+            out += render(results, heading)
     return "\n".join(out).rstrip("\n") + "\n"
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by ``None`` (strict JSON has no NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def write(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
@@ -751,5 +670,5 @@ def write(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     md_path = out_dir / MARKDOWN_NAME
     json_path = out_dir / JSON_NAME
     md_path.write_text(markdown(results))
-    json_path.write_text(json.dumps(_finite(results), indent=1, allow_nan=False) + "\n")
+    write_json(json_path, results)
     return md_path, json_path

@@ -28,9 +28,9 @@ from benchmarks import (
     startup_bench,
     step_bench,
     torch_bench,
-    whole_bench,
 )
-from benchmarks.sizes import (
+from workbench import whole_loop
+from workbench.sizes import (
     SIZES,
     GradientSet,
     SizeSpec,
@@ -39,19 +39,21 @@ from benchmarks.sizes import (
     parameter_count,
     shape_list,
 )
-from benchmarks.timing import (
+from workbench.timing import (
+    MS,
     CompileCounter,
     CpuShare,
     FirstStep,
     Plan,
-    Stats,
     Timing,
     difference,
+    milliseconds,
     per_round,
     ratio,
+    stats_dict,
 )
+from workbench.whole_loop import scaler_pair, whole_rows
 
-MS = 1e3
 FULL_ROUNDS = 5
 """Timed rounds per group of ``python -m benchmarks --full``."""
 QUICK_ROUNDS = 3
@@ -65,12 +67,12 @@ WHOLE_RUN = 5
 """The whole-iteration section's variants take turns in runs of this many timed iterations
 (each run after one untimed iteration) where a round holds at least two runs: the machine's
 speed drifts over a round, and each timed iteration then still follows one of its own loop's
-(see :class:`benchmarks.timing.Plan`)."""
+(see :class:`workbench.timing.Plan`)."""
 
 HOST_RUN = 10
 """The ``host`` section's loops take turns in runs of this many timed iterations (each run after
 one untimed iteration), so that each timed iteration follows one of its own loop's, as in
-training (see :class:`benchmarks.timing.Plan`)."""
+training (see :class:`workbench.timing.Plan`)."""
 
 SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host", "startup", "cbfloat16")
 """The sections, in report order: whole iterations of the documented loop; the scaler alone on
@@ -88,10 +90,10 @@ class BenchOptions:
     """What to run.
 
     Attributes:
-        sizes: size names (keys of :data:`benchmarks.sizes.SIZES`), in order.
+        sizes: size names (keys of :data:`workbench.sizes.SIZES`), in order.
         rounds: timed rounds per group.
         iters: timed steps per variant and round, exactly; ``None``: each size's own count, fewer
-            when steps are slow (see :func:`benchmarks.timing.choose_iters`).
+            when steps are slow (see :func:`workbench.timing.choose_iters`).
         warmup: untimed steps per variant after its first step.
         seed: seed of the models, tokens and gradients.
         progress: show a progress bar.
@@ -152,88 +154,31 @@ def _case(
     }
 
 
-def _ms(values: Sequence[float]) -> list[float]:
-    return [v * MS for v in values]
-
-
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    return Stats.of(values).as_dict()
-
-
-def _scaler_pair(timings: dict[str, Timing], clip: bool) -> dict[str, Any]:
-    """The facade against torch's scaler (with or without clipping), each against the bare
-    variant of the same round: times in ms, their ratio, the overheads and their ratio."""
-    suffix = "+clip" if clip else ""
-    torch_r = timings["torch" + suffix].rounds
-    facade_r = timings["facade" + suffix].rounds
-    bare_r = timings["bare"].rounds
-    torch_over = per_round(difference, torch_r, bare_r)
-    facade_over = per_round(difference, facade_r, bare_r)
-    return {
-        "clip": clip,
-        "bare_ms": _stats(_ms(bare_r)),
-        "torch_ms": _stats(_ms(torch_r)),
-        "facade_ms": _stats(_ms(facade_r)),
-        "step_ratio": _stats(per_round(ratio, facade_r, torch_r)),
-        "torch_overhead_ms": _stats(_ms(torch_over)),
-        "facade_overhead_ms": _stats(_ms(facade_over)),
-        "overhead_ratio": _stats(per_round(ratio, facade_over, torch_over)),
-    }
-
-
 def _torch_rows(size: str, group: torch_bench.TorchGroup) -> list[dict[str, Any]]:
     return [
-        {"size": size, "optimizer": group.optimizer, **_scaler_pair(group.timings, clip)}
+        {"size": size, "optimizer": group.optimizer, **scaler_pair(group.timings, clip)}
         for clip in (False, True)
     ]
 
 
-def whole_rows(size: str, group: whole_bench.WholeGroup) -> list[dict[str, Any]]:
-    """Rows of a whole-iteration group; ``step_ratio`` is the ratio of whole iterations."""
-    rows = []
-    floor = group.timings.get(whole_bench.FLOOR)
-    floor_cells = {}
-    if floor is not None:
-        bare_r = group.timings["bare"].rounds
-        floor_cells = {
-            "floor_ms": _stats(_ms(floor.rounds)),
-            "floor_overhead_ms": _stats(_ms(per_round(difference, floor.rounds, bare_r))),
-        }
-    for clip in (False, True):
-        pair = _scaler_pair(group.timings, clip)
-        suffix = "+clip" if clip else ""
-        rows.append(
-            {
-                "size": size,
-                "optimizer": group.optimizer,
-                "set_to_none": group.set_to_none,
-                **pair,
-                **floor_cells,
-                "torch_skipped_steps": group.skipped_steps["torch" + suffix],
-                "facade_skipped_steps": group.skipped_steps["facade" + suffix],
-            }
-        )
-    return rows
-
-
-def host_row(tensors: int, group: whole_bench.WholeGroup) -> dict[str, Any]:
+def host_row(tensors: int, group: whole_loop.WholeGroup) -> dict[str, Any]:
     """A host-cost row: the scaler pair without clipping (whole iterations), and the headline:
     each scaler's calls timed in place inside those iterations, minus the bare loop's
     ``optimizer.step()``, their ratio, and each per tensor in us."""
-    pair = _scaler_pair(group.timings, clip=False)
+    pair = scaler_pair(group.timings, clip=False)
     bare_calls = group.timings["bare"].part_rounds
     calls = {}
     over = {}
     for name in ("torch", "facade"):
         over[name] = per_round(difference, group.timings[name].part_rounds, bare_calls)
-        calls[f"{name}_calls_overhead_ms"] = _stats(_ms(over[name]))
-        calls[f"{name}_us_per_tensor"] = _stats([v * 1e6 / tensors for v in over[name]])
+        calls[f"{name}_calls_overhead_ms"] = stats_dict(milliseconds(over[name]))
+        calls[f"{name}_us_per_tensor"] = stats_dict([v * 1e6 / tensors for v in over[name]])
     return {
         "tensors": tensors,
         "optimizer": group.optimizer,
         **pair,
         **calls,
-        "calls_overhead_ratio": _stats(per_round(ratio, over["facade"], over["torch"])),
+        "calls_overhead_ratio": stats_dict(per_round(ratio, over["facade"], over["torch"])),
         "torch_skipped_steps": group.skipped_steps["torch"],
         "facade_skipped_steps": group.skipped_steps["facade"],
     }
@@ -246,8 +191,8 @@ def step_rows(group: step_bench.StepGroup) -> list[dict[str, Any]]:
 
     def ratios(rounds: list[float], name: str) -> dict[str, float]:
         if name not in group.timings:
-            return _stats([math.nan])
-        return _stats(per_round(ratio, rounds, group.timings[name].rounds))
+            return stats_dict([math.nan])
+        return stats_dict(per_round(ratio, rounds, group.timings[name].rounds))
 
     rows = []
     for name, timing in group.timings.items():
@@ -256,8 +201,8 @@ def step_rows(group: step_bench.StepGroup) -> list[dict[str, Any]]:
             {
                 "loss": group.loss,
                 "variant": name,
-                "ms": _stats(_ms(timing.rounds)),
-                "ratio_plain": _stats(per_round(ratio, timing.rounds, plain)),
+                "ms": stats_dict(milliseconds(timing.rounds)),
+                "ratio_plain": stats_dict(per_round(ratio, timing.rounds, plain)),
                 "ratio_floor": ratios(timing.rounds, step_bench.FLOOR),
                 "ratio_gated_floor": ratios(timing.rounds, step_bench.GATED_FLOOR),
                 "traces": group.traces[name],
@@ -272,17 +217,17 @@ def _jax_row(size: str, group: jax_bench.JaxGroup) -> dict[str, Any]:
     plain, dls, gcc, fused, floor = (group.timings[name].rounds for name in jax_bench.VARIANTS)
     return {
         "size": size,
-        "adamw_ms": _stats(_ms(plain)),
-        "dls_ms": _stats(_ms(dls)),
-        "dls_gcc_ms": _stats(_ms(gcc)),
-        "dls_fused_ms": _stats(_ms(fused)),
-        "floor_ms": _stats(_ms(floor)),
-        "dls_ratio": _stats(per_round(ratio, dls, plain)),
-        "dls_gcc_ratio": _stats(per_round(ratio, gcc, plain)),
-        "dls_fused_ratio": _stats(per_round(ratio, fused, plain)),
-        "floor_ratio": _stats(per_round(ratio, floor, plain)),
-        "dls_over_floor": _stats(per_round(ratio, dls, floor)),
-        "dls_fused_over_floor": _stats(per_round(ratio, fused, floor)),
+        "adamw_ms": stats_dict(milliseconds(plain)),
+        "dls_ms": stats_dict(milliseconds(dls)),
+        "dls_gcc_ms": stats_dict(milliseconds(gcc)),
+        "dls_fused_ms": stats_dict(milliseconds(fused)),
+        "floor_ms": stats_dict(milliseconds(floor)),
+        "dls_ratio": stats_dict(per_round(ratio, dls, plain)),
+        "dls_gcc_ratio": stats_dict(per_round(ratio, gcc, plain)),
+        "dls_fused_ratio": stats_dict(per_round(ratio, fused, plain)),
+        "floor_ratio": stats_dict(per_round(ratio, floor, plain)),
+        "dls_over_floor": stats_dict(per_round(ratio, dls, floor)),
+        "dls_fused_over_floor": stats_dict(per_round(ratio, fused, floor)),
     }
 
 
@@ -290,8 +235,8 @@ def _bandwidth_row(size: str, group: bandwidth.BandwidthGroup) -> dict[str, Any]
     return {
         "size": size,
         "params": group.numel,
-        "inplace_gbps": _stats([r / 1e9 for r in group.rates(bandwidth.INPLACE)]),
-        "read_gbps": _stats([r / 1e9 for r in group.rates(bandwidth.READ)]),
+        "inplace_gbps": stats_dict([r / 1e9 for r in group.rates(bandwidth.INPLACE)]),
+        "read_gbps": stats_dict([r / 1e9 for r in group.rates(bandwidth.READ)]),
     }
 
 
@@ -424,11 +369,11 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "rounds": options.rounds,
         "warmup_steps": options.warmup,
         "sections": list(options.sections),
-        "loss_scale": torch_bench.LOSS_SCALE,
-        "learning_rate": torch_bench.LEARNING_RATE,
+        "loss_scale": whole_loop.LOSS_SCALE,
+        "learning_rate": whole_loop.LEARNING_RATE,
         "clip_norm": torch_bench.BIG_NORM,
-        "whole_clip_norm": whole_bench.CLIP_NORM,
-        "whole_batch": whole_bench.BATCH,
+        "whole_clip_norm": whole_loop.CLIP_NORM,
+        "whole_batch": whole_loop.BATCH,
         "host_tensors": list(options.host_tensors),
         "host_run": HOST_RUN,
         "whole_run": WHOLE_RUN,
@@ -462,9 +407,9 @@ def _ticks(options: BenchOptions) -> int:
     group = options.rounds + 1
     per_size = 0
     if "whole" in options.sections:
-        per_size += len(torch_bench.OPTIMIZERS) * len(whole_bench.SET_TO_NONE) * group
+        per_size += len(whole_loop.OPTIMIZERS) * len(whole_loop.SET_TO_NONE) * group
     if "scaler" in options.sections:
-        per_size += (1 + len(torch_bench.OPTIMIZERS)) * group  # bandwidth, optimizers
+        per_size += (1 + len(whole_loop.OPTIMIZERS)) * group  # bandwidth, optimizers
     if "jax" in options.sections:
         per_size += group
     if "scaler" in options.sections or "jax" in options.sections:
@@ -577,14 +522,14 @@ class _Run:
 
     def whole(self, size: str, spec: SizeSpec) -> dict[str, Any]:
         """Whole iterations of the documented loop, every optimizer and ``zero_grad`` setting."""
-        workload = whole_bench.make_workload(spec, self.options.seed)
+        workload = whole_loop.make_workload(spec, self.options.seed)
         with torch.no_grad():
             loss = float(next_token_loss(workload.model, workload.tokens))
-        subnormals = whole_bench.count_subnormals(workload)
-        for optimizer in torch_bench.OPTIMIZERS:
-            for set_to_none in whole_bench.SET_TO_NONE:
+        subnormals = whole_loop.count_subnormals(workload)
+        for optimizer in whole_loop.OPTIMIZERS:
+            for set_to_none in whole_loop.SET_TO_NONE:
                 self.bar.set_description(f"{size}: whole {optimizer}, set_to_none={set_to_none}")
-                group = whole_bench.run_group(
+                group = whole_loop.run_group(
                     workload, optimizer, set_to_none, self.whole_plan(spec), self.counter, self.tick
                 )
                 self.tick()
@@ -615,7 +560,7 @@ class _Run:
         self.results["bandwidth"].append(bw_row)
         del bw
         rows = []
-        for optimizer in torch_bench.OPTIMIZERS:
+        for optimizer in whole_loop.OPTIMIZERS:
             self.bar.set_description(f"{size}: scaler only, {optimizer}")
             group = torch_bench.run_group(grads, optimizer, plan, self.counter, self.tick)
             self.tick()

@@ -15,18 +15,18 @@ other jobs then weigh on each alike); medians are reported. Run alone:
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from workbench.processes import REPO_ROOT, repo_environment
+from workbench.tables import markdown_table
+
 ROUNDS = 5
-REPO = Path(__file__).resolve().parents[1]
 
 IMPORTS = {
     "import torch, amp_core": "import torch, amp_core",
@@ -64,16 +64,9 @@ FACADE = {
 TORCH = {"scaler_import": "", "scaler": 'torch.amp.GradScaler("cpu")'}
 
 
-def _environment(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(extra)
-    return env
-
-
 def _wall(code: str) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=_environment())
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=repo_environment())
     return time.perf_counter() - started
 
 
@@ -83,8 +76,8 @@ def _loop(variant: dict[str, str], cache: str) -> list[float]:
         check=True,
         capture_output=True,
         text=True,
-        cwd=REPO,
-        env=_environment(CSTORCH_AMP_CACHE_DIR=cache),
+        cwd=REPO_ROOT,
+        env=repo_environment(CSTORCH_AMP_CACHE_DIR=cache),
     )
     return [float(s) for s in json.loads(result.stdout.strip().splitlines()[-1])]
 
@@ -138,24 +131,34 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
         f"Fresh processes, variants alternating, medians of {result['rounds']} rounds "
         "(`python -m benchmarks --sections startup`).",
         "",
-        "| import | median s | ratio to `import torch, amp_core` |",
-        "|---|---:|---:|",
-    ]
-    for row in result["imports"]:
-        out.append(
-            f"| `{row['case']}` | {row['median_s']:.2f} | {row['ratio_to_torch_amp_core']:.2f} |"
-        )
-    out += [
+        *markdown_table(
+            ["import", "median s", "ratio to `import torch, amp_core`"],
+            [
+                [
+                    f"`{row['case']}`",
+                    f"{row['median_s']:.2f}",
+                    f"{row['ratio_to_torch_amp_core']:.2f}",
+                ]
+                for row in result["imports"]
+            ],
+            ["l", "r", "r"],
+        ),
         "",
         "The README's PyTorch loop (AdamW, `unscale_`, `clip_grad_norm_`), timed inside the "
         "script:",
         "",
-        "| run | first iteration ms | second iteration ms |",
-        "|---|---:|---:|",
+        *markdown_table(
+            ["run", "first iteration ms", "second iteration ms"],
+            [
+                [
+                    _LOOP_NAMES[row["case"]],
+                    f"{row['first_iteration_ms']:.1f}",
+                    f"{row['second_iteration_ms']:.1f}",
+                ]
+                for row in result["loops"]
+            ],
+            ["l", "r", "r"],
+        ),
+        "",
     ]
-    for row in result["loops"]:
-        out.append(
-            f"| {_LOOP_NAMES[row['case']]} | {row['first_iteration_ms']:.1f} | "
-            f"{row['second_iteration_ms']:.1f} |"
-        )
-    return [*out, ""]
+    return out

@@ -2,7 +2,7 @@
 
 Every variant is one jitted step over forward, backward and update, with the parameters and
 optimizer state donated: float32 master weights, float16 compute, ``optax.adamw``, on the
-parameters of a size's GPT-2-like layout (:func:`benchmarks.sizes.shape_list`; at ``M`` 28.0M
+parameters of a size's GPT-2-like layout (:func:`workbench.sizes.shape_list`; at ``M`` 28.0M
 parameters in 148 leaves). Two losses:
 
 * ``real forward`` (:func:`real_loss`): an MLP over the size's layers on 64 tokens (embedding,
@@ -41,11 +41,11 @@ import numpy as np
 import optax
 
 import amp_core
-from amp_core.scaling import in_step_sum_of_unscaled_squares as _in_step_sum_of_unscaled_squares
 from benchmarks.jax_bench import gate_by
-from benchmarks.sizes import SizeSpec, shape_list
-from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
-from benchmarks.torch_bench import LEARNING_RATE, LOSS_SCALE, NEVER
+from workbench.internals import in_step_sum_of_unscaled_squares
+from workbench.sizes import SizeSpec, shape_list
+from workbench.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
+from workbench.whole_loop import LEARNING_RATE, LOSS_SCALE, NEVER
 
 TOKENS = 64
 """Tokens of the real forward (one sequence)."""
@@ -156,7 +156,7 @@ def make_params(spec: SizeSpec, seed: int = 0) -> dict[str, np.ndarray]:
     """The size's parameters as float32 NumPy arrays (GPT-2 initialisation), by name.
 
     Example:
-        >>> from benchmarks.sizes import SIZES
+        >>> from workbench.sizes import SIZES
         >>> from benchmarks.step_bench import make_params
         >>> params = make_params(SIZES["S"])
         >>> len(params), sum(p.size for p in params.values())
@@ -341,7 +341,7 @@ class _Plain(Runner):
             if norm == "unused":
                 total = sum(jnp.sum(jnp.square(g)) for g in leaves)
             else:  # one leaf after the other, as amp_core does it inside a step
-                total = _in_step_sum_of_unscaled_squares(leaves, jnp.float32(1.0))
+                total = in_step_sum_of_unscaled_squares(leaves, jnp.float32(1.0))
                 grads = gate_by(total, grads)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, total

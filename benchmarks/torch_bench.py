@@ -8,30 +8,12 @@ from collections.abc import Callable
 import torch
 
 import torch_facade as cstorch
-from benchmarks.sizes import GradientSet
-from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
-
-LOSS_SCALE = 1.0 + 2.0**-23
-"""The loss scale of every scaler: unscaling multiplies by about 1, so no value drifts."""
-
-NEVER = 2**30
-"""``growth_interval`` / ``steps_per_increase``: the scale never changes during a run."""
-
-LEARNING_RATE = 1e-12
-"""Small enough that no parameter moves (AdamW's decay ``1 - lr * wd`` rounds to 1)."""
+from workbench.sizes import GradientSet
+from workbench.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
+from workbench.whole_loop import LOSS_SCALE, NEVER, OPTIMIZERS, VARIANTS
 
 BIG_NORM = 1e6
 """The clipping threshold: far above the gradients' norm, so clipping computes but never bites."""
-
-OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
-    "SGD foreach": lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, foreach=True),
-    "SGD fused": lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, fused=True),
-    "AdamW fused": lambda params: torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True),
-}
-"""The optimizers compared, by the name used in the tables."""
-
-VARIANTS = ("bare", "torch", "torch+clip", "facade", "facade+clip")
-"""Variant names of one optimizer's group, interleaved together."""
 
 WARMUP_STEPS = 2
 """Untimed steps after the first: fused AdamW takes the facade's fused path once its state exists

@@ -23,10 +23,12 @@ import numpy as np
 
 from demo import report, sweep
 from demo.rows import DoorResult, RowResult, rows_for
-from demo.text import Settings, held_out_windows, load_corpus, training_windows
+from demo.text import held_out_windows, load_corpus, training_windows
+from workbench.byte_gpt import Settings
 
 QUICK_STEPS = 80
-"""Steps of ``make demo`` (about 3 minutes for both front doors on 2 idle cores)."""
+"""Steps of ``make demo``: a few minutes for both front doors on a small CPU (the time it took:
+``docs/performance-notes.md``)."""
 
 FULL_STEPS = 600
 """Steps of ``python -m demo --full``."""

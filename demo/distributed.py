@@ -1,7 +1,7 @@
 """``python -m demo --nproc 2``: the GPT of ``make demo`` trained on several processes.
 
-Each front door trains the demo's GPT-2 (:mod:`demo.text`, the same corpus, weights and
-learning-rate schedule) in float16 with dynamic loss scaling on ``--nproc`` local processes,
+Each front door trains the demo's GPT-2 (the corpus of :mod:`demo.text`, the weights and
+learning-rate schedule of :mod:`workbench.byte_gpt`) in float16 with dynamic loss scaling on ``--nproc`` local processes,
 every process taking its contiguous share of each step's batch:
 
 * **torch**: ``DistributedDataParallel`` over gloo (``--fsdp2``: FSDP2's ``fully_shard``
@@ -47,7 +47,6 @@ import os
 import pickle
 import platform
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,10 @@ from typing import Any
 
 import numpy as np
 
-from demo.text import Settings, load_corpus, training_windows
+from demo.text import load_corpus, training_windows
+from workbench.byte_gpt import Settings
+from workbench.processes import REPO_ROOT, free_port, repo_environment
+from workbench.tables import markdown_table
 
 STEPS = 40
 """Training steps of ``python -m demo --nproc N`` (the default)."""
@@ -85,7 +87,6 @@ own largest difference to its :data:`YARDSTICKS` runs (see the module docstring)
 DOORS = ("torch", "jax")
 TIMEOUT_S = 600
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +278,7 @@ def train_jax(
 
     import amp_core
     from amp_core.flax_nnx import LossScaledOptimizer
-    from demo.jax_door import GPT
+    from workbench.byte_gpt_jax import GPT, adamw
 
     settings = plan.settings
     batches = step_batches(plan, reverse)
@@ -295,8 +296,7 @@ def train_jax(
         max_loss_scale=MAX_LOSS_SCALE,
         steps_per_increase=STEPS_PER_INCREASE,
     )
-    tx = optax.adamw(settings.learning_rate_at, weight_decay=settings.weight_decay)
-    optimizer = LossScaledOptimizer(model, tx, config, wrt=nnx.Param)
+    optimizer = LossScaledOptimizer(model, adamw(settings), config, wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
     state = jax.tree.map(
         lambda a: jax.make_array_from_process_local_data(replicated, np.asarray(a)), state
@@ -500,16 +500,12 @@ def decision_table(report: DoorReport) -> list[str]:
     """Markdown rows: per step, every rank's and the one process's skip and scale."""
     runs = [*report.ranks, report.one]
     names = [f"rank {r.rank}" for r in report.ranks] + ["one process"]
-    lines = [
-        "| step | " + " | ".join(names) + " |",
-        "|---:|" + "---|" * len(names),
+    rows = [
+        [str(step), *(("skip " if r.skipped[step] else "") + _scale(r.scales[step]) for r in runs)]
+        for step in range(len(report.one.skipped))
     ]
-    for step in range(len(report.one.skipped)):
-        cells = [("skip " if r.skipped[step] else "") + _scale(r.scales[step]) for r in runs]
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    cells = [_scale(r.final_scale) for r in runs]
-    lines.append("| end | " + " | ".join(cells) + " |")
-    return lines
+    rows.append(["end", *(_scale(r.final_scale) for r in runs)])
+    return markdown_table(["step", *names], rows, ["r"] + ["l"] * len(names))
 
 
 def summary_lines(report: DoorReport) -> list[str]:
@@ -554,15 +550,8 @@ def write_outputs(
 # processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = repo_environment(JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
     flags = env.get("XLA_FLAGS", "").split()  # one CPU device per process
     env["XLA_FLAGS"] = " ".join(f for f in flags if "host_platform_device_count" not in f)
     return env
@@ -574,7 +563,7 @@ def run_ranks(door: str, plan: Plan, world: int, work: Path) -> list[Record]:
     Raises:
         RuntimeError: a process failed or ran past :data:`TIMEOUT_S` (with its output's tail).
     """
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         command = [

@@ -1,22 +1,7 @@
-"""The JAX front door: the same GPT-2 architecture in flax NNX, trained through
-``amp_core.flax_nnx.LossScaledOptimizer``.
-
-:class:`GPT` is GPT-2 as transformers writes it (learned positions, pre-norm blocks, causal
-self-attention, a tanh-GELU MLP, a final layer norm, the output layer tied to the token
-embedding), starting from the same numpy weights as the torch front door
-(:func:`demo.text.initial_weights`), so the two float32 rows start from the same loss.
-
-Half formats are computed as on the torch side (:mod:`demo.torch_door`): float32 master
-weights; every weight as it is read, and the output of every place where transformers' model has
-a module (embeddings, layer norms, linear layers, the GELU, the attention and MLP blocks, each
-block), rounded to the row's format in both directions; float32 arithmetic in between. float16
-and bfloat16 round with JAX's own casts (``x.astype(jnp.float16).astype(jnp.float32)``, whose
-transpose rounds the gradient), cbfloat16 with ``hardware.CBFLOAT16.cast``.
-
-The training step, for this library's rows::
-
-    grads = nnx.grad(lambda m: optimizer.scale_loss(loss_fn(m)))(model)
-    isfinite = optimizer.update(model, grads)   # skips (and keeps every bit) on overflow
+"""The JAX front door: the same GPT-2 architecture in flax NNX
+(:class:`workbench.byte_gpt_jax.GPT`, its architecture and its rounding described there, the
+same places as on the torch side, :mod:`demo.torch_door`), trained through
+``amp_core.flax_nnx.LossScaledOptimizer`` (:func:`workbench.byte_gpt_jax.loss_scaled_step`).
 
 The peer row uses ``jmp.DynamicLossScale`` around a plain ``nnx.Optimizer``, with its
 documented ``scale`` / ``unscale`` / ``all_finite`` / ``select_tree`` / ``adjust`` loop.
@@ -33,111 +18,14 @@ import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
-import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
 import amp_core
-import hardware
 from amp_core.flax_nnx import LossScaledOptimizer
 from demo.rows import PEER_GROWTH_INTERVAL, PEER_INIT_SCALE, Row, RowResult
-from demo.text import ModelSize, Settings, initial_weights
-
-Cast = Callable[[jax.Array], jax.Array]
-
-
-def format_cast(fmt: str) -> Cast:
-    """The cast (both directions) to ``fmt`` in a float32 container."""
-    if fmt == "float32":
-        return lambda x: x
-    if fmt == "cbfloat16":
-        return hardware.CBFLOAT16.cast
-    dtype = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}[fmt]
-    return lambda x: x.astype(dtype).astype(jnp.float32)
-
-
-def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
-
-
-class Block(nnx.Module):
-    """One GPT-2 block: ``x + attn(ln_1(x))``, then ``+ mlp(ln_2(.))``."""
-
-    def __init__(self, weights: dict[str, np.ndarray], prefix: str, n_head: int) -> None:
-        def param(name: str) -> nnx.Param:
-            return nnx.Param(jnp.asarray(weights[prefix + name]))
-
-        self.n_head = n_head
-        self.ln_1_w, self.ln_1_b = param("ln_1.weight"), param("ln_1.bias")
-        self.attn_w, self.attn_b = param("attn.c_attn.weight"), param("attn.c_attn.bias")
-        self.proj_w, self.proj_b = param("attn.c_proj.weight"), param("attn.c_proj.bias")
-        self.ln_2_w, self.ln_2_b = param("ln_2.weight"), param("ln_2.bias")
-        self.fc_w, self.fc_b = param("mlp.c_fc.weight"), param("mlp.c_fc.bias")
-        self.out_w, self.out_b = param("mlp.c_proj.weight"), param("mlp.c_proj.bias")
-
-    def __call__(self, x: jax.Array, r: Cast) -> jax.Array:
-        def linear(h: jax.Array, w: nnx.Param, b: nnx.Param) -> jax.Array:
-            return r(h @ r(w[...]) + r(b[...]))
-
-        batch, length, width = x.shape
-        heads = self.n_head
-        a = r(_layer_norm(x, r(self.ln_1_w[...]), r(self.ln_1_b[...])))
-        q, k, v = jnp.split(linear(a, self.attn_w, self.attn_b), 3, axis=-1)
-        q, k, v = (
-            t.reshape(batch, length, heads, width // heads).swapaxes(1, 2) for t in (q, k, v)
-        )
-        scores = (q @ k.swapaxes(-1, -2)) * (width // heads) ** -0.5
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        attended = jax.nn.softmax(scores, axis=-1) @ v
-        attended = attended.swapaxes(1, 2).reshape(batch, length, width)
-        x = x + linear(attended, self.proj_w, self.proj_b)
-        m = r(_layer_norm(x, r(self.ln_2_w[...]), r(self.ln_2_b[...])))
-        m = r(jax.nn.gelu(linear(m, self.fc_w, self.fc_b), approximate=True))
-        return r(x + linear(m, self.out_w, self.out_b))
-
-
-class GPT(nnx.Module):
-    """GPT-2 with a byte vocabulary, computing in the format of the cast ``r``.
-
-    Args:
-        size: the model size.
-        seed: the seed of :func:`demo.text.initial_weights`.
-        fmt: the row's format.
-    """
-
-    def __init__(self, size: ModelSize, seed: int, fmt: str = "float32") -> None:
-        weights = initial_weights(size, seed)
-        self.fmt = fmt
-        self.wte = nnx.Param(jnp.asarray(weights["transformer.wte.weight"]))
-        self.wpe = nnx.Param(jnp.asarray(weights["transformer.wpe.weight"]))
-        self.blocks = nnx.List(
-            [Block(weights, f"transformer.h.{i}.", size.n_head) for i in range(size.n_layer)]
-        )
-        self.ln_f_w = nnx.Param(jnp.asarray(weights["transformer.ln_f.weight"]))
-        self.ln_f_b = nnx.Param(jnp.asarray(weights["transformer.ln_f.bias"]))
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """The logits ``(batch, length, 256)`` of the byte ids ``(batch, length)``."""
-        r = format_cast(self.fmt)
-        wte = r(self.wte[...])
-        x = r(wte[ids] + r(self.wpe[...])[: ids.shape[1]])
-        for block in self.blocks:
-            x = block(x, r)
-        x = r(_layer_norm(x, r(self.ln_f_w[...]), r(self.ln_f_b[...])))
-        return r(x @ wte.T)
-
-
-def cross_entropy(model: GPT, windows: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy (float32)."""
-    logits = model(windows[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
-
-
-def _tx(settings: Settings) -> optax.GradientTransformation:
-    return optax.adamw(settings.learning_rate_at, weight_decay=settings.weight_decay)
+from workbench.byte_gpt import Settings
+from workbench.byte_gpt_jax import GPT, adamw, cross_entropy, loss_and_grads, loss_scaled_step
 
 
 def _config(row: Row, settings: Settings) -> amp_core.LossScaleConfig:
@@ -150,47 +38,6 @@ def _config(row: Row, settings: Settings) -> amp_core.LossScaleConfig:
     )
 
 
-def _loss_and_grads(
-    model: GPT, windows: jax.Array, divisor: jax.Array, scale_loss: Callable[[jax.Array], Any]
-) -> tuple[jax.Array, Any]:
-    """The mean loss and the gradients of ``scale_loss(loss / divisor)``.
-
-    ``windows`` of ``(batch, n_positions + 1)``: one micro-batch. ``(micro_batches, batch,
-    n_positions + 1)``: the micro-batches one after the other (a ``lax.scan``), their gradients
-    summed in float32, as the torch loop's ``.grad`` accumulates them.
-    """
-
-    def objective(m: GPT, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-        loss = cross_entropy(m, w)
-        return scale_loss(loss / divisor), loss
-
-    if windows.ndim == 2:
-        (_, loss), grads = nnx.value_and_grad(objective, has_aux=True)(model, windows)
-        return loss, grads
-    graph, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def micro(total: Any, w: jax.Array) -> tuple[Any, jax.Array]:
-        (_, loss), g = jax.value_and_grad(
-            lambda p: objective(nnx.merge(graph, p, rest), w), has_aux=True
-        )(params)
-        return jax.tree.map(jnp.add, total, g), loss
-
-    grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), windows)
-    return losses.mean(), grads
-
-
-def _amp_core_step(
-    graphdef: Any, state: Any, windows: jax.Array, divisor: jax.Array
-) -> tuple[Any, jax.Array, ...]:
-    """One step of ``LossScaledOptimizer``: returns the new state, the loss, the scale the
-    step used and whether it was skipped."""
-    model, optimizer = nnx.merge(graphdef, state)
-    scale = optimizer.scaler.loss_scale
-    loss, grads = _loss_and_grads(model, windows, divisor, optimizer.scale_loss)
-    isfinite = optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss, scale, ~isfinite
-
-
 def _jmp_step(
     graphdef: Any,
     state: Any,
@@ -201,7 +48,7 @@ def _jmp_step(
     """One step with ``jmp.DynamicLossScale`` (its two arrays passed as ``scaler``)."""
     model, optimizer = nnx.merge(graphdef, state)
     loss_scale = jmp.DynamicLossScale(*scaler, period=PEER_GROWTH_INTERVAL)
-    loss, grads = _loss_and_grads(model, windows, divisor, loss_scale.scale)
+    loss, grads = loss_and_grads(model, windows, divisor, loss_scale.scale)
     grads = loss_scale.unscale(grads)
     finite = jmp.all_finite(grads)
     before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # the values, not Variables
@@ -220,8 +67,9 @@ def _jmp_step(
 
 QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 """XLA:CPU options for the steps of the float32, float16 and bfloat16 rows: compiling them takes
-half the time, and they run as fast. (cbfloat16's bit-exact rounding keeps the default: without
-LLVM's optimisations its step ran 5x slower.)"""
+less time, and they run as fast. (cbfloat16's bit-exact rounding keeps the default: without
+LLVM's optimisations its step runs several times slower; the figures are in
+``docs/performance-notes.md``.)"""
 
 
 def _jitted(step: Callable[..., Any], fmt: str) -> Callable[..., Any]:
@@ -231,7 +79,7 @@ def _jitted(step: Callable[..., Any], fmt: str) -> Callable[..., Any]:
 
 _STEPS = {
     (name, fmt): _jitted(step, fmt)
-    for name, step in (("amp_core", _amp_core_step), ("jmp", _jmp_step))
+    for name, step in (("amp_core", loss_scaled_step), ("jmp", _jmp_step))
     for fmt in ("float32", "float16", "bfloat16", "cbfloat16")
 }
 
@@ -257,13 +105,15 @@ def train_row(
     """Trains one row and measures it (see :func:`demo.torch_door.train_row`)."""
     model = GPT(settings.size, settings.seed, row.fmt)
     if row.scaling == "peer":
-        optimizer: Any = nnx.Optimizer(model, _tx(settings), wrt=nnx.Param)
+        optimizer: Any = nnx.Optimizer(model, adamw(settings), wrt=nnx.Param)
         scaler = (
             jnp.float32(settings.init_scale or PEER_INIT_SCALE),
             jnp.int32(0),
         )  # jmp's scale and counter
     else:
-        optimizer = LossScaledOptimizer(model, _tx(settings), _config(row, settings), wrt=nnx.Param)
+        optimizer = LossScaledOptimizer(
+            model, adamw(settings), _config(row, settings), wrt=nnx.Param
+        )
     graphdef, state = nnx.split((model, optimizer))
     losses: list[float] = []
     skipped: list[bool] = []

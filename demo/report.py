@@ -12,6 +12,7 @@ import numpy as np
 
 import hardware
 from demo.rows import DoorResult, RowResult
+from workbench.tables import markdown_table
 
 COLUMNS = (
     "row",
@@ -74,11 +75,9 @@ def text_table(door: DoorResult) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
-def markdown_table(door: DoorResult) -> str:
+def door_table(door: DoorResult) -> str:
     """The markdown table of one front door."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row_cells(r, door.reference)) + " |" for r in door.rows]
-    return "\n".join(lines)
+    return "\n".join(markdown_table(COLUMNS, [row_cells(r, door.reference) for r in door.rows]))
 
 
 def spread(door: DoorResult) -> tuple[float, float] | None:
@@ -147,7 +146,7 @@ def write_markdown(
     """``demo.md``: the header lines, then per front door its table, its checks and its plots."""
     parts = [*header, ""]
     for door in doors:
-        parts += [f"## {door.front_door}", "", markdown_table(door), ""]
+        parts += [f"## {door.front_door}", "", door_table(door), ""]
         parts += [f"* {line}" for line in verdict_lines(door)] + [""]
     parts += [f"![{p.stem}]({p.name})" for p in plots]
     path.write_text("\n".join(parts) + "\n", encoding="utf-8")

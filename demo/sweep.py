@@ -31,7 +31,9 @@ import numpy as np
 
 from demo import report
 from demo.rows import DoorResult, RowResult, rows_for
-from demo.text import Settings, held_out_windows, load_corpus, training_windows
+from demo.text import held_out_windows, load_corpus, training_windows
+from workbench.byte_gpt import Settings
+from workbench.tables import markdown_table
 
 HALF_FORMATS = ("float16", "bfloat16", "cbfloat16")
 """The formats the first-step gradient-range report checks."""
@@ -344,37 +346,35 @@ def markdown_tables(sweep: DoorSweep) -> str:
     head = ["row", *(f"k = {k} ({_tokens(e.tokens_per_step)})" for k, e in _firsts(emulated))]
     if real:
         head.append(f"k = {real[0].k}, real accumulation")
-    lines = [
-        "Held-out loss / float32's at the same k:",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    ratios = []
     for key in sweep.plan.rows:
         label = next(e.result.row.label for e in emulated if e.result.row.key == key)
         cells = [label, *(f"{sweep.entry(k, key).ratio:.4f}" for k in ks)]
         if real:
             match = [e for e in real if e.result.row.key == key]
             cells.append(f"{match[0].ratio:.4f}" if match else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
+        ratios.append(cells)
+    predictions = []
+    for fmt in HALF_FORMATS:
+        cells = [fmt]
+        for k in ks:
+            p = sweep.prediction(k, fmt)
+            scale = report.format_scale(p.suggested_loss_scale)
+            cells.append(f"{100 * p.underflow_at_1:.2f}%, {scale}")
+        predictions.append(cells)
+    lines = [
+        "Held-out loss / float32's at the same k:",
+        "",
+        *markdown_table(head, ratios),
         "",
         "Predicted from the first step (the float32 gradients of the initial weights, "
         "`loss / k`): fraction of gradient elements that underflow at scale 1, and the "
         "suggested loss scale (2 doublings of headroom):",
         "",
-        "| format | " + " | ".join(f"k = {k}" for k in ks) + " |",
-        "|---|" + "---|" * len(ks),
+        *markdown_table(["format", *(f"k = {k}" for k in ks)], predictions),
+        "",
+        *markdown_table(TABLE_COLUMNS, [table_cells(e) for e in sweep.entries]),
     ]
-    for fmt in HALF_FORMATS:
-        cells = []
-        for k in ks:
-            p = sweep.prediction(k, fmt)
-            scale = report.format_scale(p.suggested_loss_scale)
-            cells.append(f"{100 * p.underflow_at_1:.2f}%, {scale}")
-        lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
-    lines += ["", "| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
-    lines += ["| " + " | ".join(table_cells(e)) + " |" for e in sweep.entries]
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """The torch front door: Hugging Face ``GPT2LMHeadModel`` trained through ``cstorch.amp``.
 
-The model is transformers' own GPT-2 (random initialisation from :func:`demo.text.initial_weights`,
+The model is transformers' own GPT-2 (random initialisation from :func:`workbench.byte_gpt.initial_weights`,
 a 256-byte vocabulary, nothing downloaded), trained with ``torch.optim.AdamW`` in the loop a
 PyTorch user writes::
 
@@ -18,7 +18,8 @@ tensor cores accumulate in float32 and store half precision. cbfloat16 uses the 
 ``cstorch.amp.cbfloat16_numerics``; float16 and bfloat16 use :func:`dtype_numerics`, the same
 pattern with torch's exact casts (``x.to(torch.float16).float()``). This is not to save effort:
 this machine's CPUs have no float16 matrix units, and a float16 ``torch.autocast`` step of this
-model ran 7x slower than float32 here, while the rounding costs little. Every row thus differs
+model runs several times slower than float32 there (``docs/performance-notes.md``), while the
+rounding costs little. Every row thus differs
 from the others only by its format and its loss scaling.
 """
 
@@ -42,13 +43,13 @@ from tqdm.auto import tqdm
 
 import torch_facade as cstorch
 from demo.rows import PEER_GROWTH_INTERVAL, PEER_INIT_SCALE, Row, RowResult
-from demo.text import ModelSize, Settings, initial_weights
+from workbench.byte_gpt import ModelSize, Settings, initial_weights
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def make_model(size: ModelSize, seed: int) -> transformers.GPT2LMHeadModel:
-    """``GPT2LMHeadModel`` of ``size`` with the weights of :func:`demo.text.initial_weights`.
+    """``GPT2LMHeadModel`` of ``size`` with the weights of :func:`workbench.byte_gpt.initial_weights`.
 
     Dropout is off (every row sees the same arithmetic); attention is the eager implementation.
     """

@@ -2,5 +2,6 @@
 
 ``python -m device_check --device cuda|cpu --out DIR [--quick] [--sections ...]`` or
 ``make device-check``; :mod:`device_check.check` describes the sections and the report. It
-borrows the model sizes and timing helpers of :mod:`benchmarks`.
+shares the model sizes, the training loops and the timing helpers of :mod:`benchmarks` through
+:mod:`workbench`, and imports nothing of :mod:`benchmarks` itself.
 """

@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
@@ -81,14 +80,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.cli import comma_names
-from benchmarks.report import _finite
-from benchmarks.sizes import SIZES
-from benchmarks.timing import CompileCounter, Plan
 from device_check import compiled as device_compiled
 from device_check import correctness as device_correctness
 from device_check import probes as device_probes
 from device_check import report as device_report
+from workbench.jsonsafe import write_json
+from workbench.processes import comma_names
+from workbench.sizes import SIZES
+from workbench.timing import CompileCounter, Plan
 
 SECTIONS = ("memory", "correctness", "host_syncs", "timings", "compiled")
 """The sections, in the order they run (memory first: it must see JAX uninitialized)."""
@@ -302,7 +301,7 @@ class DeviceCheck:
         """Writes the JSON and markdown reports of the results so far."""
         self.out.mkdir(parents=True, exist_ok=True)
         json_path, md_path = self.out / JSON_NAME, self.out / MARKDOWN_NAME
-        json_path.write_text(json.dumps(_finite(self.results), indent=1, default=str) + "\n")
+        write_json(json_path, self.results, default=str)
         md_path.write_text(device_report.markdown(self.results))
         return json_path, md_path
 

@@ -39,9 +39,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import torch_facade as cstorch
-from benchmarks.internals import host_side as _host_side
-from benchmarks.sizes import SIZES, SizeSpec, next_token_loss
-from benchmarks.whole_bench import make_workload
+from workbench.internals import host_side as _host_side
+from workbench.sizes import SIZES, SizeSpec, next_token_loss
+from workbench.whole_loop import make_workload
 
 PATTERNS = ("model", "model, reduce-overhead", "train step", "train step, reduce-overhead")
 """The compiled patterns, in the order they run."""

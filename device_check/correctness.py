@@ -71,8 +71,8 @@ import torch
 from torch import nn
 
 import torch_facade as cstorch
-from benchmarks.sizes import SIZES, SizeSpec, model_spec, next_token_loss
-from benchmarks.whole_bench import make_workload
+from workbench.sizes import SIZES, SizeSpec, model_spec, next_token_loss
+from workbench.whole_loop import make_workload
 
 MODES = ("static", "dls", "dls_gcc")
 """The comparisons (see the module docstring)."""
@@ -116,8 +116,8 @@ LEARNING_RATES = {"SGD foreach": 1e-2, "AdamW fused": 1e-3}
 
 CPU_FULL_SPEC = dataclasses.replace(SIZES["M"], name="M/64", d_model=64, vocab=1024, context=32)
 """The full check's model on the CPU: M's layout (148 tensors) at width 64, 32 tokens. torch's
-float16 kernels on the CPU are slow: an iteration of M itself takes about 1.7 s on 2 cores,
-width 128 with 64 tokens 0.75 s, this one about 0.05 s."""
+float16 kernels on the CPU are slow: an iteration of M itself takes seconds on a small CPU,
+this width a small fraction of that (the times: ``docs/performance-notes.md``)."""
 
 BATCH = 2
 """Sequences per iteration."""

@@ -2,7 +2,7 @@
 
 Each public function is one section of :mod:`device_check` and returns its JSON
 dict; a part that cannot run on the device is ``None`` with a ``reason`` beside it. The loops are
-:class:`benchmarks.whole_bench.TrainLoop` variants on the device (the documented loop, fresh
+:class:`workbench.whole_loop.TrainLoop` variants on the device (the documented loop, fresh
 gradients every iteration), so every number here is measured on the loop users run.
 """
 
@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import host_profile, runner, whole_bench
-from benchmarks.internals import crossing_cuda as _crossing_cuda
-from benchmarks.internals import dlpack as _dlpack
-from benchmarks.sizes import SIZES
-from benchmarks.timing import CompileCounter, Plan
+from workbench import whole_loop
+from workbench.call_timers import median_calls
+from workbench.internals import crossing_cuda as _crossing_cuda
+from workbench.internals import dlpack as _dlpack
+from workbench.internals import placed_for
+from workbench.sizes import SIZES
+from workbench.timing import CompileCounter, Plan
 
 MEMORY_ITERATIONS = 5
 """Facade iterations after the first decision before memory is read again."""
@@ -108,12 +110,12 @@ def memory(device: torch.device, seed: int = 0) -> dict[str, Any]:
     cuda = device.type == "cuda"
     env_before = _xla_env()
     checkpoints = [_memory_checkpoint("start (torch only)", device)]
-    workload = whole_bench.make_workload(SIZES["S"], seed, device=device)
-    bare = whole_bench.TrainLoop("bare", "AdamW fused", True, workload)
+    workload = whole_loop.make_workload(SIZES["S"], seed, device=device)
+    bare = whole_loop.TrainLoop("bare", "AdamW fused", True, workload)
     for _ in range(2):
         bare.step()
     checkpoints.append(_memory_checkpoint("after 2 bare torch iterations", device))
-    loop = whole_bench.TrainLoop("facade", "AdamW fused", True, workload)
+    loop = whole_loop.TrainLoop("facade", "AdamW fused", True, workload)
     checkpoints.append(_memory_checkpoint("after GradScaler()", device))
     loop.step()
     checkpoints.append(_memory_checkpoint("after the first decision", device))
@@ -128,9 +130,7 @@ def memory(device: torch.device, seed: int = 0) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "jax_initialized_before_first_decision": checkpoints[2]["jax_backends_initialized"],
         "scale_device": str(loop.facade.get_scale().device),
-        "crossing": _dlpack.crossing_for(
-            loop.facade._engine.placed_for or torch.device(device)
-        ).name,
+        "crossing": _dlpack.crossing_for(placed_for(loop.facade) or torch.device(device)).name,
         "cuda_crossing_failure": _crossing_cuda.last_failure,
         "xla_env_before": env_before,
         "xla_env_after": _xla_env(),
@@ -195,7 +195,7 @@ def _is_sync(warning: warnings.WarningMessage) -> bool:
     return "synchroniz" in str(warning.message)
 
 
-def _sync_counts(loop: whole_bench.TrainLoop, iters: int) -> dict[str, Any]:
+def _sync_counts(loop: whole_loop.TrainLoop, iters: int) -> dict[str, Any]:
     """Synchronising operations torch reports in the scaler calls of ``iters`` iterations."""
     scaler, optimizer = loop.scaler, loop.optimizer
     assert scaler is not None
@@ -235,7 +235,7 @@ def _sleep_cycles(device: torch.device, ms: float) -> int:
     return int(ms * per_ms[-1])
 
 
-def _sleep_probe(loop: whole_bench.TrainLoop, iters: int, cycles: int) -> dict[str, Any]:
+def _sleep_probe(loop: whole_loop.TrainLoop, iters: int, cycles: int) -> dict[str, Any]:
     """Host time of ``step`` + ``update`` with about :data:`SLEEP_MS` of device work queued."""
     scaler, optimizer = loop.scaler, loop.optimizer
     assert scaler is not None
@@ -272,13 +272,13 @@ def host_syncs(device: torch.device, quick: bool, seed: int = 0) -> dict[str, An
         reason = "not applicable on the CPU: there is no device stream to wait for"
         return {"applicable": False, "reason": reason, "rows": None}
     iters = 3 if quick else 10
-    workload = whole_bench.make_workload(SIZES["S"], seed, device=device)
+    workload = whole_loop.make_workload(SIZES["S"], seed, device=device)
     can_sleep = hasattr(torch.cuda, "_sleep")  # private, in torch since 1.x: checked anyway
     cycles = _sleep_cycles(device, SLEEP_MS) if can_sleep else None
     rows = []
     for optimizer in PROBE_OPTIMIZERS:
         for name in SCALED:
-            loop = whole_bench.TrainLoop(name, optimizer, True, workload)
+            loop = whole_loop.TrainLoop(name, optimizer, True, workload)
             for _ in range(3):  # fused AdamW takes the facade's fused path from step 2
                 loop.step()
             rows.append(
@@ -305,15 +305,15 @@ def per_call(device: torch.device, quick: bool, seed: int = 0) -> dict[str, Any]
 
     On the ``tiny`` model (M's 148 tensors at width 16: the tensor count of M, almost no
     arithmetic), for both loops (``scale``/``step``/``update``, and with ``unscale_``) and
-    both timing optimizers; see :func:`benchmarks.host_profile.time_calls`.
+    both timing optimizers; see :func:`workbench.call_timers.time_calls`.
     """
     iters, warmup = (5, 3) if quick else (30, 5)
-    workload = whole_bench.make_workload(SIZES["tiny"], seed, device=device)
+    workload = whole_loop.make_workload(SIZES["tiny"], seed, device=device)
     rows = []
     for optimizer in TIMING_OPTIMIZERS:
-        loops = {name: whole_bench.TrainLoop(name, optimizer, True, workload) for name in SCALED}
+        loops = {name: whole_loop.TrainLoop(name, optimizer, True, workload) for name in SCALED}
         for unscale in (False, True):
-            medians = host_profile.median_calls(loops, iters, warmup, unscale)
+            medians = median_calls(loops, iters, warmup, unscale)
             for name in SCALED:
                 rows.append(
                     {
@@ -336,9 +336,9 @@ def whole_iterations(
 ) -> dict[str, Any]:
     """Whole iterations, facade against torch, with and without clipping, per size.
 
-    :func:`benchmarks.whole_bench.run_group` on the device (its timed calls end with
+    :func:`workbench.whole_loop.run_group` on the device (its timed calls end with
     ``torch.cuda.synchronize()`` on CUDA), torch's default ``zero_grad``; rows as
-    ``make bench``'s whole-iteration table (:func:`benchmarks.runner.whole_rows`), and per group
+    ``make bench``'s whole-iteration table (:func:`workbench.whole_loop.whole_rows`), and per group
     the timed iterations per round, the first steps and the compilations after warm-up (0).
     """
     rows: list[dict[str, Any]] = []
@@ -346,13 +346,13 @@ def whole_iterations(
     info = {}
     for size in sizes:
         progress(f"timings: whole iterations at {size}")
-        workload = whole_bench.make_workload(SIZES[size], seed, device=device)
+        workload = whole_loop.make_workload(SIZES[size], seed, device=device)
         info[size] = {"tensors": workload.tensors, "params": workload.params}
         for optimizer in TIMING_OPTIMIZERS:
-            group = whole_bench.run_group(
-                workload, optimizer, True, plan_for(size), counter, variants=whole_bench.VARIANTS
+            group = whole_loop.run_group(
+                workload, optimizer, True, plan_for(size), counter, variants=whole_loop.VARIANTS
             )
-            rows += runner.whole_rows(size, group)
+            rows += whole_loop.whole_rows(size, group)
             groups.append(
                 {
                     "size": size,

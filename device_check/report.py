@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.report import _comparison_table, _num, _table, _yes
+from workbench.tables import markdown_table, number, yes
+from workbench.whole_loop import comparison_table
 
 GIB = 2.0**30
 
@@ -62,13 +63,13 @@ def _environment(results: dict[str, Any]) -> list[str]:
     return [
         "## Environment",
         "",
-        *_table(["", "value"], [[k, str(v)] for k, v in rows], ["l", "l"]),
+        *markdown_table(["", "value"], [[k, str(v)] for k, v in rows], ["l", "l"]),
         "",
     ]
 
 
 def _memory(section: dict[str, Any]) -> list[str]:
-    out = _table(
+    out = markdown_table(
         ["checkpoint", "JAX backends initialized", "free GiB", "torch reserved GiB"],
         [
             [
@@ -119,7 +120,7 @@ def _trajectory(scales: list[float]) -> str:
     """``4096 x2, 8192, 4096 ...``: the scale after each update, runs collapsed."""
     parts: list[str] = []
     for scale in scales:
-        text = _num(scale)
+        text = number(scale)
         if parts and parts[-1].split(" x")[0] == text:
             count = int(parts[-1].split(" x")[1]) + 1 if " x" in parts[-1] else 2
             parts[-1] = f"{text} x{count}"
@@ -141,7 +142,7 @@ def _correctness(section: dict[str, Any]) -> list[str]:
         "relative to a float64 norm of the same gradients.",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         [
             "mode",
             "optimizer",
@@ -158,7 +159,7 @@ def _correctness(section: dict[str, Any]) -> list[str]:
             [
                 r["mode"],
                 r["optimizer"],
-                _yes(r["passed"]),
+                yes(r["passed"]),
                 str(r["steps"]),
                 f"{r['skipped_steps']} ({r['natural_overflows']})",
                 _trajectory(r["scales"]),
@@ -183,20 +184,20 @@ def _host_syncs(section: dict[str, Any]) -> list[str]:
     out = [
         f"Model S. Syncs: synchronising operations torch reports per iteration in `scale`, "
         f'`step` and `update` (`set_sync_debug_mode("warn")`). Sleep probe: '
-        f"{_num(section['sleep_ms'])} ms of device work queued after backward; `step` + "
+        f"{number(section['sleep_ms'])} ms of device work queued after backward; `step` + "
         "`update` host time (median); a scaler that waits for the device takes about that long.",
         "",
     ]
-    out += _table(
+    out += markdown_table(
         ["optimizer", "scaler", "syncs / iteration", "where", "host ms with sleep", "waited"],
         [
             [
                 r["optimizer"],
                 r["scaler"],
-                _num(r["sync_debug"]["median"]),
+                number(r["sync_debug"]["median"]),
                 "; ".join(f"`{s['where']}` x{s['count']}" for s in r["sync_debug"]["sites"]),
-                _num(r["sleep_probe"]["median_host_ms"]) if r["sleep_probe"] else "n/a",
-                _yes(r["sleep_probe"]["waited_for_device"]) if r["sleep_probe"] else "n/a",
+                number(r["sleep_probe"]["median_host_ms"]) if r["sleep_probe"] else "n/a",
+                yes(r["sleep_probe"]["waited_for_device"]) if r["sleep_probe"] else "n/a",
             ]
             for r in section["rows"]
         ],
@@ -214,7 +215,7 @@ def _timings(section: dict[str, Any]) -> list[str]:
         "Whole iterations (ms, medians over rounds; ratios facade / torch, median [min, max]); "
         f"`zero_grad()` with torch's default. Sizes: {sizes}.",
         "",
-        *_comparison_table(whole["rows"], with_set_to_none=False),
+        *comparison_table(whole["rows"], with_set_to_none=False),
         "",
         "Compilations after warm-up (must be 0): "
         + ", ".join(
@@ -228,14 +229,14 @@ def _timings(section: dict[str, Any]) -> list[str]:
         "",
     ]
     names = ("scale", "unscale_", "step", "update", "scaler")
-    out += _table(
+    out += markdown_table(
         ["optimizer", "loop", "scaler", *names],
         [
             [
                 r["optimizer"],
                 r["loop"],
                 r["scaler"],
-                *(_num(r["us"].get(n)) if n in r["us"] else "" for n in names),
+                *(number(r["us"].get(n)) if n in r["us"] else "" for n in names),
             ]
             for r in calls["rows"]
         ],
@@ -252,7 +253,7 @@ def _compiled(section: dict[str, Any]) -> list[str]:
         f"inf losses at steps {settings['fault_steps']}. Each pattern against the eager loop: "
         f"skips and scales equal, parameters unchanged on skipped steps, at most "
         f"{_sci(settings['param_atol'])} from eager at the end, no graph compiled after "
-        f"{settings['warm_up']} warm-up steps. Eager: {_num(eager['median_ms'])} ms per "
+        f"{settings['warm_up']} warm-up steps. Eager: {number(eager['median_ms'])} ms per "
         f"iteration (median of {settings['timed_iterations']}). "
         f"Verdict: {'passed' if section['passed'] else '**FAILED**'}.",
         "",
@@ -265,17 +266,17 @@ def _compiled(section: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 row["pattern"],
-                _yes(row["passed"]),
-                _yes(row["same_skips"] and row["same_scales"]),
-                _yes(all(row["unchanged_on_skips"])),
+                yes(row["passed"]),
+                yes(row["same_skips"] and row["same_scales"]),
+                yes(all(row["unchanged_on_skips"])),
                 _sci(row["max_param_diff"]),
                 str(row["compiles_after_warmup"]),
                 f"{row['graph_breaks']} ({row['facade_graph_breaks']})",
                 str(row["cudagraph_skips"]),
-                _num(row["median_ms"]),
+                number(row["median_ms"]),
             ]
         )
-    out += _table(
+    out += markdown_table(
         [
             "pattern",
             "passed",
@@ -316,17 +317,17 @@ def markdown(results: dict[str, Any]) -> str:
         f"# Device check: {device}{', quick' if results['quick'] else ''}",
         "",
         f"Verdict: {verdict} (correctness and the compiled patterns passed, no section raised). `{results['command']}` "
-        f"on {results['date']}, wall time {_num(wall)} s.",
+        f"on {results['date']}, wall time {number(wall)} s.",
         "",
         *_environment(results),
     ]
-    number = 0
+    heading = 0
     for key, title, render in SECTIONS:
         section = results.get(key)
         if section is None:
             continue
-        number += 1
-        out += [f"## {number}. {title} ({_seconds(section)})", ""]
+        heading += 1
+        out += [f"## {heading}. {title} ({_seconds(section)})", ""]
         if "error" in section:
             out += [
                 f"**The section raised**: `{section['error']}` (traceback in the JSON file).",

@@ -1,4 +1,6 @@
-"""The project's modules import each other without cycles, and amp_core/hardware never import torch.
+"""The project's modules import each other without cycles, amp_core/hardware never import torch,
+and the application rooms (demo, benchmarks, device_check) import only the library and
+``workbench``, which imports no room.
 
 Every import counts (module level, function level, ``TYPE_CHECKING`` blocks): a cycle hidden in
 a function body is still a cycle a reader has to untangle. ``from package import name`` is an
@@ -13,7 +15,26 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("amp_core", "torch_facade", "hardware", "demo", "benchmarks", "device_check")
+PACKAGES = (
+    "amp_core",
+    "torch_facade",
+    "hardware",
+    "workbench",
+    "demo",
+    "benchmarks",
+    "device_check",
+)
+
+LIBRARY = ("amp_core", "torch_facade", "hardware")
+ROOMS = ("demo", "benchmarks", "device_check")
+ALLOWED_TOP_LEVEL_EDGES = {
+    "demo": {*LIBRARY, "workbench"},
+    "benchmarks": {*LIBRARY, "workbench"},
+    "device_check": {*LIBRARY, "workbench"},
+    "workbench": set(LIBRARY),
+}
+"""Which of the project's top-level packages each room (and ``workbench``) may import; an edge
+inside one package is always allowed. The library's own layering is not checked here."""
 
 
 def module_name(path: Path) -> str:
@@ -76,6 +97,69 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (cycle := visit(node)):
             return cycle
     return None
+
+
+def forbidden_edges(graph: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    """``"a.x -> b.y"`` for every edge of ``graph`` from a top-level package named in ``allowed``
+    to another top-level package that ``allowed`` does not list for it, sorted."""
+    found = []
+    for source, targets in graph.items():
+        top = source.split(".")[0]
+        if top not in allowed:
+            continue
+        for target in targets:
+            target_top = target.split(".")[0]
+            if target_top != top and target_top not in allowed[top]:
+                found.append(f"{source} -> {target}")
+    return sorted(found)
+
+
+def test_forbidden_edges_finds_a_planted_room_to_room_import():
+    graph = {
+        "demo.cli": {"demo.rows", "workbench.tables", "amp_core"},
+        "benchmarks.cbfloat16_bench": {"demo.jax_door", "workbench.byte_gpt_jax"},
+        "device_check.report": {"benchmarks.report"},
+        "workbench.tables": {"device_check.check", "torch_facade"},
+        "amp_core.scaling": {"demo.rows"},  # not a room: not this test's business
+    }
+    assert forbidden_edges(graph, ALLOWED_TOP_LEVEL_EDGES) == [
+        "benchmarks.cbfloat16_bench -> demo.jax_door",
+        "device_check.report -> benchmarks.report",
+        "workbench.tables -> device_check.check",
+    ]
+    clean = {"demo.cli": {"workbench.tables"}, "workbench.tables": {"hardware.formats"}}
+    assert forbidden_edges(clean, ALLOWED_TOP_LEVEL_EDGES) == []
+
+
+def test_rooms_import_only_the_library_and_workbench_which_imports_no_room():
+    known = project_modules()
+    assert "workbench.tables" in known and "device_check.report" in known
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    assert "workbench.tables" in graph["device_check.report"]  # the edges are seen
+    assert set(ALLOWED_TOP_LEVEL_EDGES) == {*ROOMS, "workbench"}
+    assert forbidden_edges(graph, ALLOWED_TOP_LEVEL_EDGES) == []
+
+
+def test_only_workbench_internals_imports_private_library_names():
+    """The rooms reach the library's underscore modules and names through one module."""
+    known = project_modules()
+    found = []
+    for name, path in known.items():
+        if name.split(".")[0] not in (*ROOMS, "workbench") or name == "workbench.internals":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            modules, names = [], []
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                modules, names = [node.module], [alias.name for alias in node.names]
+            for module in modules:
+                if module.split(".")[0] not in LIBRARY:
+                    continue
+                private = [p for p in module.split(".") + names if p.startswith("_")]
+                if private:
+                    found.append(f"{name}: {module} {private}")
+    assert found == [], found
 
 
 def test_find_cycle_finds_one_and_only_one():

@@ -108,7 +108,8 @@ def test_the_sdist_holds_the_library_and_no_demo_benchmarks_or_tests(artifacts: 
         names = [n.split("/", 1)[1] for n in archive.getnames() if "/" in n]
     tops = {n.split("/")[0] for n in names}
     assert {"amp_core", "torch_facade", "hardware", "pyproject.toml", "README.md"} <= tops
-    assert not tops & {"demo", "benchmarks", "device_check", "tests", "notebooks", "docs"}
+    assert not tops & {"demo", "benchmarks", "device_check", "workbench", "tests", "notebooks"}
+    assert "docs" not in tops
     for package in LIBRARY:
         assert f"{package}/py.typed" in names
 
@@ -190,7 +191,7 @@ WITHOUT_TORCH = textwrap.dedent(
     else:
         raise AssertionError("import torch_facade worked without torch")
 
-    for name in ("demo", "benchmarks", "device_check", "tests"):
+    for name in ("demo", "benchmarks", "device_check", "workbench", "tests"):
         spec = importlib.util.find_spec(name)
         assert spec is None, (name, spec)
     assert not [m for m in sys.modules if m.split(".")[0] == "torch"]

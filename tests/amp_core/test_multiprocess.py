@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,12 @@ import _jax_multiprocess_worker as worker
 import numpy as np
 import pytest
 
+from workbench.processes import free_port
+
 WORKER = Path(worker.__file__).resolve()
 REPO_ROOT = WORKER.parents[2]
 TIMEOUT_S = 120.0
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def free_port() -> int:
-    """A TCP port that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child_env(host_devices: int) -> dict[str, str]:

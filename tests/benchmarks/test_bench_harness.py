@@ -30,12 +30,9 @@ from benchmarks import (
     report,
     runner,
     scaler_checks,
-    sizes,
     step_bench,
-    timing,
-    torch_bench,
-    whole_bench,
 )
+from workbench import call_timers, sizes, timing, whole_loop
 
 STATS_KEYS = {"median", "min", "max"}
 CASE_KEYS = {
@@ -95,17 +92,17 @@ def _assert_stats(stats: dict[str, Any]) -> None:
         assert value is None or isinstance(value, float)
 
 
-WHOLE_GROUPS = [f"{o}, set_to_none={s}" for o in torch_bench.OPTIMIZERS for s in (True, False)]
+WHOLE_GROUPS = [f"{o}, set_to_none={s}" for o in whole_loop.OPTIMIZERS for s in (True, False)]
 DDP_GROUP = f"{ddp_bench.OPTIMIZER}, set_to_none=True"
 
 
 def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
     expected = (
         {("bandwidth", "stream", v) for v in bandwidth.VARIANTS}
-        | {("torch", o, v) for o in torch_bench.OPTIMIZERS for v in torch_bench.VARIANTS}
+        | {("torch", o, v) for o in whole_loop.OPTIMIZERS for v in whole_loop.VARIANTS}
         | {("jax", "optax", v) for v in jax_bench.VARIANTS}
-        | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_bench.WHOLE_VARIANTS}
-        | {("ddp", DDP_GROUP, v) for v in whole_bench.VARIANTS}
+        | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_loop.WHOLE_VARIANTS}
+        | {("ddp", DDP_GROUP, v) for v in whole_loop.VARIANTS}
         | {("host", o, v) for o in host_bench.OPTIMIZERS for v in host_bench.VARIANTS}
         | {("step", loss, v) for loss in step_bench.LOSSES for v in step_bench.variants_of(loss)}
     )
@@ -184,13 +181,13 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     assert set(size["gradients"]) == {"loss", "flushed_small_grads", "seconds"}
     whole = size["whole"]
     assert (whole["tensors"], whole["params"]) == (S_TENSORS, S_PARAMS)
-    assert (whole["batch"], whole["tokens"]) == (whole_bench.BATCH, whole_bench.TOKENS)
+    assert (whole["batch"], whole["tokens"]) == (whole_loop.BATCH, whole_loop.TOKENS)
     assert whole["subnormals"] == {"gradients": 0, "adamw_state": 0}
     vocab = sizes.SIZES["S"].vocab
     assert math.isclose(whole["initial_loss"], math.log(vocab), rel_tol=0.1)
 
     _assert_whole_rows(
-        results["whole"], {(o, s) for o in torch_bench.OPTIMIZERS for s in (True, False)}
+        results["whole"], {(o, s) for o in whole_loop.OPTIMIZERS for s in (True, False)}
     )
     for row in results["whole"]:  # the single-process rows carry the XLA-read floor
         _assert_stats(row["floor_ms"])
@@ -204,7 +201,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
 
     torch_rows = results["torch"]
     assert {(r["optimizer"], r["clip"]) for r in torch_rows} == {
-        (o, c) for o in torch_bench.OPTIMIZERS for c in (False, True)
+        (o, c) for o in whole_loop.OPTIMIZERS for c in (False, True)
     }
     for row in torch_rows:
         for key in COMPARISON_KEYS:
@@ -231,7 +228,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     _assert_stats(bw_row["inplace_gbps"])
     _assert_stats(bw_row["read_gbps"])
 
-    assert len(results["floor"]) == 2 * len(torch_bench.OPTIMIZERS)
+    assert len(results["floor"]) == 2 * len(whole_loop.OPTIMIZERS)
     for row in results["floor"]:
         assert row["bytes_per_param"] in (4, 8, 12)
         for key in ("model", "floor_ms", "torch_overhead_ms", "facade_overhead_ms"):
@@ -241,7 +238,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     compile_cases = {(r["section"], r["case"]) for r in results["compile"]}
     facades = ("facade", "facade+clip")
     assert compile_cases == (
-        {("torch", f"{v}, {o}") for o in torch_bench.OPTIMIZERS for v in facades}
+        {("torch", f"{v}, {o}") for o in whole_loop.OPTIMIZERS for v in facades}
         | {("whole", f"{v}, {g}") for g in WHOLE_GROUPS for v in facades}
         | {("ddp", f"{v}, DDP, {DDP_GROUP}") for v in facades}
         | {("jax", v) for v in jax_bench.VARIANTS}
@@ -295,7 +292,7 @@ HEADINGS = (
 def test_markdown_has_the_expected_rows(markdown: str) -> None:
     positions = [markdown.index(heading) for heading in HEADINGS]
     assert positions == sorted(positions)
-    for optimizer in torch_bench.OPTIMIZERS:
+    for optimizer in whole_loop.OPTIMIZERS:
         for clip in ("no", "yes"):
             assert f"| S | {optimizer} | {clip} |" in markdown  # scaler only
             for set_to_none in (True, False):
@@ -399,14 +396,14 @@ def test_thread_settings_are_read_from_the_environment(monkeypatch: pytest.Monke
 
 
 @pytest.fixture(scope="module")
-def workload(one_torch_thread: None) -> whole_bench.Workload:
+def workload(one_torch_thread: None) -> whole_loop.Workload:
     """Size S: the end-to-end run has compiled the facade for its gradients already."""
-    return whole_bench.make_workload(sizes.SIZES["S"])
+    return whole_loop.make_workload(sizes.SIZES["S"])
 
 
 @pytest.mark.parametrize("name", ["torch", "torch+clip", "facade", "facade+clip"])
-def test_train_loop_counts_skipped_steps(workload: whole_bench.Workload, name: str) -> None:
-    loop = whole_bench.TrainLoop(name, "SGD foreach", True, workload)
+def test_train_loop_counts_skipped_steps(workload: whole_loop.Workload, name: str) -> None:
+    loop = whole_loop.TrainLoop(name, "SGD foreach", True, workload)
     loop.step()
     assert loop.skipped_steps() == 0
     with torch.no_grad():
@@ -416,22 +413,22 @@ def test_train_loop_counts_skipped_steps(workload: whole_bench.Workload, name: s
     assert loop.skipped_steps() == 2
 
 
-def test_train_loop_trains_a_copy(workload: whole_bench.Workload) -> None:
-    loop = whole_bench.TrainLoop("bare", "AdamW fused", False, workload)
+def test_train_loop_trains_a_copy(workload: whole_loop.Workload) -> None:
+    loop = whole_loop.TrainLoop("bare", "AdamW fused", False, workload)
     loop.step()
     loop.step()
     assert loop.params[0] is not next(workload.model.parameters())
     assert all(p.grad is not None for p in loop.params)  # set_to_none=False keeps them
     with pytest.raises(ValueError, match="unknown variant"):
-        whole_bench.TrainLoop("facade+fast", "SGD foreach", True, workload)
+        whole_loop.TrainLoop("facade+fast", "SGD foreach", True, workload)
 
 
-def test_subnormals_are_counted(workload: whole_bench.Workload) -> None:
+def test_subnormals_are_counted(workload: whole_loop.Workload) -> None:
     values = torch.tensor([1e-39, 0.0, 1.0, -1e-40, 2.0**-126, -math.inf])
-    assert whole_bench._subnormals([values, values[:1]]) == 3
-    tiny = whole_bench.make_workload(sizes.SIZES["tiny"])
+    assert whole_loop._subnormals([values, values[:1]]) == 3
+    tiny = whole_loop.make_workload(sizes.SIZES["tiny"])
     assert tiny.tensors == len(sizes.shape_list(sizes.SIZES["tiny"]))
-    assert whole_bench.count_subnormals(tiny) == {"gradients": 0, "adamw_state": 0}
+    assert whole_loop.count_subnormals(tiny) == {"gradients": 0, "adamw_state": 0}
 
 
 def test_ddp_section_times_out_and_stops_its_ranks() -> None:
@@ -530,7 +527,7 @@ def test_the_report_names_the_cpu_and_its_half_precision_features() -> None:
         assert set(features) == set(runner.CPU_FEATURES)
 
 
-@pytest.mark.parametrize("module", [timing, sizes, report, host_bench, step_bench, plots])
+@pytest.mark.parametrize("module", [report, host_bench, step_bench, plots])
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
@@ -587,7 +584,7 @@ def test_host_rows_have_every_field(results: dict[str, Any]) -> None:
 def test_host_model_gives_independent_gradients() -> None:
     workload = host_bench.make_workload(6)
     assert workload.tensors == workload.params == 6
-    loop = whole_bench.TrainLoop("facade", "AdamW fused", True, workload)
+    loop = whole_loop.TrainLoop("facade", "AdamW fused", True, workload)
     loop.step()
     loop.step()
     grads = [p.grad for p in loop.params]
@@ -653,8 +650,8 @@ def test_host_profile_breaks_the_time_down(tmp_path: Path, one_torch_thread: Non
 
 def test_time_calls_with_unscale(one_torch_thread: None) -> None:
     workload = host_bench.make_workload(3)
-    loop = whole_bench.TrainLoop("torch", "SGD foreach", True, workload)
-    times = host_profile.time_calls(loop, unscale=True)
+    loop = whole_loop.TrainLoop("torch", "SGD foreach", True, workload)
+    times = call_timers.time_calls(loop, unscale=True)
     assert list(times) == ["loss", "scale", "backward", "unscale_", "step", "update"]
     assert all(t >= 0 for t in times.values())
 

@@ -13,15 +13,8 @@ import torch
 
 from demo import cli, jax_door, sweep, torch_door
 from demo.rows import rows_for
-from demo.text import (
-    HELD_OUT_EVERY,
-    ModelSize,
-    Settings,
-    held_out_windows,
-    load_corpus,
-    stdlib_root,
-    training_windows,
-)
+from demo.text import HELD_OUT_EVERY, held_out_windows, load_corpus, stdlib_root, training_windows
+from workbench.byte_gpt import ModelSize, Settings
 
 TINY = Settings(
     steps=3,

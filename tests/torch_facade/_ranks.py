@@ -8,20 +8,13 @@ and joins the group with :func:`join_gloo` (its folder is first on its ``sys.pat
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
-
-def free_port() -> int:
-    """A loopback TCP port that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from workbench.processes import free_port
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 """A collective that waits longer fails the rank."""

@@ -26,7 +26,7 @@ class CompileCounter:
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from benchmarks.timing import CompileCounter
+        >>> from workbench.timing import CompileCounter
         >>> counter = CompileCounter()
         >>> with counter.listening():
         ...     _ = jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()
@@ -88,7 +88,7 @@ class Stats:
         """Statistics of the finite values in ``values``.
 
         Example:
-            >>> from benchmarks.timing import Stats
+            >>> from workbench.timing import Stats
             >>> Stats.of([3.0, 1.0, 2.0, float("nan")])
             Stats(median=2.0, min=1.0, max=3.0)
         """
@@ -196,7 +196,7 @@ def choose_iters(max_iters: int, step_s: float, fixed: bool) -> int:
         fixed: use ``max_iters`` as is (the user asked for it).
 
     Example:
-        >>> from benchmarks.timing import choose_iters
+        >>> from workbench.timing import choose_iters
         >>> choose_iters(5, 0.05, False), choose_iters(5, 1.5, False), choose_iters(5, 1.5, True)
         (5, 1, 5)
         >>> choose_iters(5, 0.004, False)  # 5 steps are 0.02 s: 50 make 0.2 s
@@ -290,16 +290,17 @@ class Plan:
         fixed_iters: always use ``max_iters``.
         run: interleave within a round in runs of this many timed calls per variant, each run
             after one untimed call of the same variant, instead of variant by variant (0): a
-            drift of the machine's speed over a round (tens of percent over a few hundred
-            milliseconds on these virtual machines) then reaches every variant alike, while each
+            drift of the machine's speed over a round (large on shared virtual machines:
+            ``docs/performance-notes.md``) then reaches every variant alike, while each
             timed call still follows a call of its own variant, as in a training loop. For steps
             of a millisecond or two, where such a drift is larger than the differences
             measured. (Alternating call by call would put the other variants' iterations
             between two of a variant's: their code and data evict its own from the caches,
             which a training loop never sees. On the host-cost model two identical facade loops
             measured that way, one right after torch's loop and one right after the other,
-            differed by 0.1-0.3x of torch's scaler overhead: the facade's iteration also runs
-            JAX, whose code and data the other loops do not touch.)
+            differed by a sizeable share of torch's scaler overhead (the figure:
+            ``docs/performance-notes.md``): the facade's iteration also runs JAX, whose code
+            and data the other loops do not touch.)
     """
 
     rounds: int
@@ -390,7 +391,7 @@ def per_round(
     """``op`` applied round by round (``nan`` where it is undefined).
 
     Example:
-        >>> from benchmarks.timing import per_round, ratio
+        >>> from workbench.timing import per_round, ratio
         >>> per_round(ratio, [2.0, 3.0], [1.0, 0.0])
         [2.0, nan]
     """
@@ -405,3 +406,23 @@ def ratio(a: float, b: float) -> float:
 def difference(a: float, b: float) -> float:
     """``a - b``."""
     return a - b
+
+
+MS = 1e3
+"""Milliseconds per second."""
+
+
+def milliseconds(values: Sequence[float]) -> list[float]:
+    """``values`` (seconds) in milliseconds."""
+    return [v * MS for v in values]
+
+
+def stats_dict(values: Sequence[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of the finite values of ``values`` (see :meth:`Stats.of`).
+
+    Example:
+        >>> from workbench.timing import milliseconds, stats_dict
+        >>> stats_dict(milliseconds([0.5, 0.25, 1.0, float("nan")]))
+        {'median': 500.0, 'min': 250.0, 'max': 1000.0}
+    """
+    return Stats.of(values).as_dict()

@@ -1,7 +1,11 @@
-"""Section 1: whole training iterations of the documented loop, the facade against torch's scaler.
+"""Whole training iterations of the documented loop, the facade against torch's scaler.
+
+The bench's whole-iteration section (``python -m benchmarks --sections whole``) and the device
+check's timings both run these loops; :func:`whole_rows` and :func:`comparison_table` turn a
+group into the rows and the markdown table both reports print.
 
 Every timed call is one iteration of the loop users run, on a GPT-2-like model
-(:mod:`benchmarks.sizes`) with a next-token loss on fixed random tokens::
+(:mod:`workbench.sizes`) with a next-token loss on fixed random tokens::
 
     optimizer.zero_grad(set_to_none=...)  # torch's default: True, fresh gradients every backward
     loss = next_token_loss(model, tokens)
@@ -17,7 +21,7 @@ The floor variant (:data:`FLOOR`, single process only) is the least any design t
 gradients with XLA must add to the bare loop: import every gradient through DLPack as the facade
 does, one jitted sum of squares over them (no decision, no state, no Python bookkeeping), then
 what torch must still do to the gradients: a non-fused optimizer's gradients multiplied in place
-(as the facade does it, ``_gradients.multiply_``), a fused one handed ``grad_scale`` and
+(as the facade does it, ``gradients.multiply_``), a fused one handed ``grad_scale`` and
 ``found_inf`` tensors. The
 facade's overhead minus the floor's is what its own decision logic costs. Each variant trains
 its own copy of one model; the loss scale is about 1 and the learning rate tiny, so every variant
@@ -27,7 +31,7 @@ The model, tokens and scalers live on the workload's device (``make_workload(...
 ``torch.amp.GradScaler`` is made for that device type, and on a CUDA device every timed
 iteration ends with ``torch.cuda.synchronize()`` so that the clock reads finished work. A
 workload may carry another loss (:attr:`Workload.loss_fn`), e.g. the host-cost model of
-:mod:`benchmarks.host_bench`.
+``benchmarks.host_bench``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +49,41 @@ import torch
 from torch import nn
 
 import torch_facade as cstorch
-from benchmarks.internals import dlpack as _dlpack
-from benchmarks.internals import gradients as _gradients
-from benchmarks.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
-from benchmarks.timing import CompileCounter, FirstStep, Plan, Timing, Variant, measure_group
-from benchmarks.torch_bench import LOSS_SCALE, NEVER, OPTIMIZERS, VARIANTS
+from workbench.internals import dlpack, gradients
+from workbench.sizes import GPTLike, SizeSpec, model_spec, next_token_loss, random_tokens
+from workbench.tables import markdown_table, number, stats_cell, yes
+from workbench.timing import (
+    CompileCounter,
+    FirstStep,
+    Plan,
+    Timing,
+    Variant,
+    difference,
+    measure_group,
+    milliseconds,
+    per_round,
+    ratio,
+    stats_dict,
+)
+
+LOSS_SCALE = 1.0 + 2.0**-23
+"""The loss scale of every scaler: unscaling multiplies by about 1, so no value drifts."""
+
+NEVER = 2**30
+"""``growth_interval`` / ``steps_per_increase``: the scale never changes during a run."""
+
+LEARNING_RATE = 1e-12
+"""Small enough that no parameter moves (AdamW's decay ``1 - lr * wd`` rounds to 1)."""
+
+OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "SGD foreach": lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, foreach=True),
+    "SGD fused": lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, fused=True),
+    "AdamW fused": lambda params: torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True),
+}
+"""The optimizers compared, by the name used in the tables."""
+
+VARIANTS = ("bare", "torch", "torch+clip", "facade", "facade+clip")
+"""Variant names of one optimizer's group, interleaved together."""
 
 FLOOR = "xla floor"
 """The floor variant's name (see the module docstring)."""
@@ -57,7 +92,7 @@ WHOLE_VARIANTS = (*VARIANTS, FLOOR)
 """The variants of a single-process group; the DDP section runs :data:`VARIANTS`."""
 
 BATCH = 1
-"""Sequences per iteration (keeps an ``M`` iteration to a few hundred ms on 2 cores)."""
+"""Sequences per iteration (one keeps an ``M`` iteration short on a small CPU)."""
 
 TOKENS = 64
 """Tokens per sequence, at most the model's context."""
@@ -74,7 +109,7 @@ class Workload:
     """One size's model and batch; every variant trains a copy of the model on the same tokens.
 
     Attributes:
-        spec: the spec of the trained model (see :func:`benchmarks.sizes.model_spec`); ``None``
+        spec: the spec of the trained model (see :func:`workbench.sizes.model_spec`); ``None``
             for a model that is not GPT-like.
         model: the initial model.
         tokens: token ids of shape ``(batch, tokens + 1)``, on the model's device.
@@ -147,7 +182,7 @@ class TrainLoop:
 
     Args:
         name: one of :data:`VARIANTS`.
-        optimizer: one of :data:`benchmarks.torch_bench.OPTIMIZERS`.
+        optimizer: one of :data:`OPTIMIZERS`.
         set_to_none: the ``zero_grad`` argument.
         workload: the model to copy and the tokens.
         wrap: applied to the model copy before training (e.g. ``DistributedDataParallel``).
@@ -227,7 +262,7 @@ class TrainLoop:
         self.loss().backward()
         start = time.perf_counter()
         grads = [p.grad for p in self.params if p.grad is not None]
-        _sum_of_squares(_dlpack.import_tensors(grads)).block_until_ready()
+        _sum_of_squares(dlpack.import_tensors(grads)).block_until_ready()
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
             self.optimizer.grad_scale = self._one  # type: ignore[attr-defined]
             self.optimizer.found_inf = self._zero  # type: ignore[attr-defined]
@@ -237,7 +272,7 @@ class TrainLoop:
                 del self.optimizer.grad_scale  # type: ignore[attr-defined]
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
         else:
-            _gradients.multiply_(grads, self._one)
+            gradients.multiply_(grads, self._one)
             self.optimizer.step()
         self.calls_seconds = time.perf_counter() - start
 
@@ -245,7 +280,7 @@ class TrainLoop:
         """Steps skipped for an overflow so far (0 for the bare loop).
 
         The facade counts them (``get_num_skipped_steps``); torch's scaler never grows here
-        (``growth_interval`` is :data:`~benchmarks.torch_bench.NEVER`) and halves its scale on
+        (``growth_interval`` is :data:`NEVER`) and halves its scale on
         every skipped step, so its count is ``log2(initial scale / scale)``.
         """
         if self.facade is not None:
@@ -305,7 +340,7 @@ class WholeGroup:
     """The measurements of one size, optimizer and ``zero_grad`` setting.
 
     Attributes:
-        optimizer: key of :data:`benchmarks.torch_bench.OPTIMIZERS`.
+        optimizer: key of :data:`OPTIMIZERS`.
         set_to_none: the ``zero_grad`` argument.
         first: first iteration of every variant.
         timings: timed rounds of every variant.
@@ -338,7 +373,7 @@ def run_group(
 
     Args:
         workload: the size's model and tokens.
-        optimizer: one of :data:`benchmarks.torch_bench.OPTIMIZERS`.
+        optimizer: one of :data:`OPTIMIZERS`.
         set_to_none: the ``zero_grad`` argument.
         plan: rounds, iterations per round and warm-up.
         counter: a listening compile counter.
@@ -356,3 +391,90 @@ def run_group(
     first, timings = measure_group(variants, make, plan, counter, on_round)
     skipped = {name: loop.skipped_steps() for name, loop in loops.items()}
     return WholeGroup(optimizer, set_to_none, first, timings, skipped)
+
+
+def scaler_pair(timings: dict[str, Timing], clip: bool) -> dict[str, Any]:
+    """The facade against torch's scaler (with or without clipping), each against the bare
+    variant of the same round: times in ms, their ratio, the overheads and their ratio."""
+    suffix = "+clip" if clip else ""
+    torch_r = timings["torch" + suffix].rounds
+    facade_r = timings["facade" + suffix].rounds
+    bare_r = timings["bare"].rounds
+    torch_over = per_round(difference, torch_r, bare_r)
+    facade_over = per_round(difference, facade_r, bare_r)
+    return {
+        "clip": clip,
+        "bare_ms": stats_dict(milliseconds(bare_r)),
+        "torch_ms": stats_dict(milliseconds(torch_r)),
+        "facade_ms": stats_dict(milliseconds(facade_r)),
+        "step_ratio": stats_dict(per_round(ratio, facade_r, torch_r)),
+        "torch_overhead_ms": stats_dict(milliseconds(torch_over)),
+        "facade_overhead_ms": stats_dict(milliseconds(facade_over)),
+        "overhead_ratio": stats_dict(per_round(ratio, facade_over, torch_over)),
+    }
+
+
+def whole_rows(size: str, group: WholeGroup) -> list[dict[str, Any]]:
+    """Rows of a whole-iteration group; ``step_ratio`` is the ratio of whole iterations."""
+    rows = []
+    floor = group.timings.get(FLOOR)
+    floor_cells = {}
+    if floor is not None:
+        bare_r = group.timings["bare"].rounds
+        floor_cells = {
+            "floor_ms": stats_dict(milliseconds(floor.rounds)),
+            "floor_overhead_ms": stats_dict(
+                milliseconds(per_round(difference, floor.rounds, bare_r))
+            ),
+        }
+    for clip in (False, True):
+        pair = scaler_pair(group.timings, clip)
+        suffix = "+clip" if clip else ""
+        rows.append(
+            {
+                "size": size,
+                "optimizer": group.optimizer,
+                "set_to_none": group.set_to_none,
+                **pair,
+                **floor_cells,
+                "torch_skipped_steps": group.skipped_steps["torch" + suffix],
+                "facade_skipped_steps": group.skipped_steps["facade" + suffix],
+            }
+        )
+    return rows
+
+
+def comparison_table(rows: list[dict[str, Any]], with_set_to_none: bool) -> list[str]:
+    """Whole-iteration rows: both ratios first, then the medians in ms."""
+    header = ["size", "optimizer", "clip"] + (["set_to_none"] if with_set_to_none else [])
+    header += [
+        "facade/torch iteration",
+        "facade/torch overhead",
+        "bare",
+        "torch",
+        "facade",
+        "torch overhead",
+        "facade overhead",
+    ]
+    with_floor = any("floor_overhead_ms" in r for r in rows)
+    header += ["XLA-read floor overhead"] if with_floor else []
+    body = []
+    for r in rows:
+        line = [r["size"], r["optimizer"], yes(r["clip"])]
+        line += [str(r["set_to_none"])] if with_set_to_none else []
+        line += [stats_cell(r["step_ratio"], "x"), stats_cell(r["overhead_ratio"], "x")]
+        line += [
+            number(r[key]["median"])
+            for key in (
+                "bare_ms",
+                "torch_ms",
+                "facade_ms",
+                "torch_overhead_ms",
+                "facade_overhead_ms",
+            )
+        ]
+        if with_floor:
+            line.append(number(r.get("floor_overhead_ms", {}).get("median")))
+        body.append(line)
+    n_right = 7 + with_floor
+    return markdown_table(header, body, ["l"] * (len(header) - n_right) + ["r"] * n_right)

@@ -85,8 +85,8 @@ TINY_WIDTH = 16
 FLUSH_BELOW = 2.0**-58
 """Gradient values smaller than this in magnitude are set to zero once, after the backward pass.
 
-torch's CPU kernels slow down about 12x on denormal operands and results while XLA flushes them
-to zero (``../shared/PERFORMANCE.md`` item 9). With ``|g| >= 2**-58``, AdamW's first second moment
+torch's CPU kernels slow down many times on denormal operands and results (the factor measured:
+``docs/performance-notes.md``) while XLA flushes them to zero (``../shared/PERFORMANCE.md`` item 9). With ``|g| >= 2**-58``, AdamW's first second moment
 ``(1 - 0.999) * g**2`` and SGD's ``lr * g`` (``lr = 1e-12``) stay normal float32 numbers.
 """
 
@@ -164,7 +164,7 @@ def model_spec(spec: SizeSpec) -> SizeSpec:
     context :data:`TINY_WIDTH` (a real model with ``M``'s tensor count and almost no arithmetic).
 
     Example:
-        >>> from benchmarks.sizes import SIZES, model_spec, parameter_count
+        >>> from workbench.sizes import SIZES, model_spec, parameter_count
         >>> model_spec(SIZES["S"]) == SIZES["S"], parameter_count(model_spec(SIZES["tiny"]))
         (True, 39904)
     """
@@ -231,7 +231,7 @@ def shape_list(spec: SizeSpec) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes of ``spec``'s model (one element per tensor for ``tiny``).
 
     Example:
-        >>> from benchmarks.sizes import SIZES, shape_list
+        >>> from workbench.sizes import SIZES, shape_list
         >>> len(shape_list(SIZES["S"])), len(shape_list(SIZES["tiny"])) == len(shape_list(SIZES["M"]))
         (20, True)
     """
@@ -244,7 +244,7 @@ def parameter_count(spec: SizeSpec) -> int:
     """Total parameters of ``spec`` without allocating them.
 
     Example:
-        >>> from benchmarks.sizes import SIZES, parameter_count
+        >>> from workbench.sizes import SIZES, parameter_count
         >>> parameter_count(SIZES["S"])
         1068800
     """
