@@ -30,8 +30,11 @@ The subnormal line is float arithmetic, but exact and immune to flushing: scalin
 two is exact, ``rint`` is exact, and it is used only where the step is at least ``2**-125``, so
 every result is zero or a normal float32 and every float32 subnormal input rounds to zero
 whether or not the backend flushes it first. Formats whose exponent range is float32's at the
-bottom (bfloat16) need no subnormal line: the bit rounding is right there too. Other valid formats (exponent ranges reaching into float32's subnormals) round as
-``decode(encode(x))``. Algorithm of :meth:`FloatFormat.encode`, per element, on integers::
+bottom (bfloat16) need no subnormal line: the bit rounding is right there too. Other valid
+formats (a custom bias whose range reaches into float32's subnormals) round as
+``decode(encode(x))``, the integer path below: the same bits, about 40 operations an element.
+
+Algorithm of :meth:`FloatFormat.encode`, per element, on integers::
 
     |x| = sig * 2**s                    (float32 significand with hidden bit, s its scale)
     e_x = floor(log2 |x|)               (from the leading bit of sig)
@@ -40,7 +43,8 @@ bottom (bfloat16) need no subnormal line: the bit rounding is right there too. O
     code = r + (q - (emin - m)) * 2**m  (magnitude code; a carry into the next binade just works)
     code > max_code  ->  inf code, NaN code (no infinities) or max code (saturating)
 
-Both give the same bits (tests hold them to each other on every code and every tie).
+The two paths give the same bits: tests hold ``round`` to ``decode(encode(x))`` on every code,
+every tie, the range's edges and, in every float32 binade, the inputs around the rounding bit.
 """
 
 from __future__ import annotations
@@ -234,6 +238,10 @@ class FloatFormat:
         Gradient: straight-through. The derivative is taken to be 1 everywhere (the tangent
         passes unchanged), also where the value overflows to inf or underflows to zero, as in
         quantisation-aware training.
+
+        Cost: a few element-wise integer operations on the float32 bits (module docstring),
+        which XLA fuses with the operations around them; jitted on its own it runs at about
+        the speed of a copy of ``x``.
 
         Args:
             x: values to round (converted to float32).
