@@ -510,3 +510,155 @@ def test_known_formats() -> None:
     assert known_formats()[:3] == ("float16", "bfloat16", "cbfloat16")
     assert all(get_format(name).name == name for name in known_formats())
     assert formats.FLOAT8_E4M3FN.max == 448.0
+
+
+# ---------------------------------------------------------------------------------------------
+# round and cast work on the float32 bits; encode/decode keep the integer path. The two are
+# held to each other bit for bit (NaN bits included), and to numpy/ml_dtypes or reference_round.
+
+NAMED = [get_format(name) for name in known_formats()]
+
+
+def integer_path_round(x: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """The rounding as it was before the bit path: decode(encode(x)), on integers only."""
+    return np.asarray(fmt.decode(fmt.encode(x)))
+
+
+def rounding_position_sweep(fmt: FloatFormat, max_prefixes: int = 512) -> np.ndarray:
+    """For every sign and float32 exponent field: the kept mantissa bits (all of them, or a
+    sample with both ends) times the dropped bits just around the tie (0, 1, half - 1, half,
+    half + 1, all ones) at the bit where the format rounds in that binade, subnormals included."""
+    rng = np.random.default_rng(fmt.total_bits)
+    parts = []
+    for exponent_field in range(256):
+        exponent = max(exponent_field, 1) - 127
+        dropped = 23 - fmt.mantissa_bits + max(0, fmt.emin - exponent)
+        dropped = min(dropped, 23)
+        n_prefixes = 1 << (23 - dropped)
+        if n_prefixes <= max_prefixes:
+            prefixes = np.arange(n_prefixes, dtype=np.uint64)
+        else:
+            sample = rng.integers(0, n_prefixes, max_prefixes - 4, dtype=np.uint64)
+            prefixes = np.append(sample, [0, 1, n_prefixes - 2, n_prefixes - 1]).astype(np.uint64)
+        half = (1 << dropped) >> 1
+        lows = np.unique([0, 1, half - 1, half, half + 1, (1 << dropped) - 1])
+        lows = lows[(lows >= 0) & (lows < 1 << dropped)].astype(np.uint64)
+        mantissas = (prefixes[:, None] << np.uint64(dropped)) | lows[None, :]
+        parts.append((np.uint64(exponent_field) << np.uint64(23)) | mantissas.ravel())
+    magnitudes = np.concatenate(parts).astype(np.uint32)
+    return np.concatenate([magnitudes, magnitudes | np.uint32(0x80000000)]).view(np.float32)
+
+
+def range_edges(fmt: FloatFormat) -> np.ndarray:
+    """max, smallest subnormal, min normal, half the smallest subnormal and the midpoint above
+    max, each with its float32 neighbours, both signs; plus the float32 extremes."""
+    above_max = fmt.max + 2.0 ** (fmt.emax - fmt.mantissa_bits) / 2
+    with np.errstate(over="ignore"):  # above_max is inf for float32 itself
+        points = np.array(
+            [
+                fmt.max,
+                above_max,
+                fmt.smallest_subnormal,
+                fmt.smallest_subnormal / 2,
+                fmt.min_normal,
+            ],
+            np.float32,
+        )
+        down, up = np.nextafter(points, np.float32(0)), np.nextafter(points, np.float32(np.inf))
+    extremes = np.array([np.finfo(np.float32).max, np.finfo(np.float32).smallest_subnormal])
+    positive = np.concatenate([points, down, up, extremes.astype(np.float32)])
+    return np.concatenate([positive, -positive])
+
+
+def float32_bit_probe(fmt: FloatFormat) -> np.ndarray:
+    rng = np.random.default_rng(31)
+    codes = all_codes(fmt) if fmt.total_bits <= 16 else np.zeros(0, np.uint32)
+    nan_patterns = np.array([0x7F800001, 0x7FBFFFFF, 0x7FC00001, 0x7FFFFFFF], np.uint32)
+    return np.concatenate(
+        [
+            np.asarray(fmt.decode(codes)),
+            grid_midpoints(fmt) if fmt.total_bits <= 16 else np.zeros(0, np.float32),
+            range_edges(fmt),
+            rounding_position_sweep(fmt),
+            random_float32(rng, 20_000),
+            nan_patterns.view(np.float32),
+            (nan_patterns | np.uint32(0x80000000)).view(np.float32),
+            np.array([0.0, -0.0, np.inf, -np.inf], np.float32),
+        ]
+    )
+
+
+def assert_same_bits(got, want) -> None:
+    got, want = _bits(got), _bits(want)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} differ, e.g. {got[bad[0]]:#010x} want {want[bad[0]]:#010x}"
+
+
+@pytest.mark.parametrize("fmt", NAMED, ids=lambda fmt: fmt.name)
+def test_round_and_cast_give_the_integer_paths_bits(fmt: FloatFormat) -> None:
+    x = float32_bit_probe(fmt)
+    want = integer_path_round(x, fmt)
+    assert_same_bits(fmt.round(x), want)
+    assert_same_bits(jax.jit(fmt.round)(x), want)
+    assert_same_bits(jax.jit(fmt.cast)(x), want)
+    _, cast_vjp = jax.vjp(fmt.cast, jnp.zeros(x.shape, jnp.float32))
+    assert_same_bits(cast_vjp(jnp.asarray(x))[0], want)  # the gradient is rounded alike
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), ORACLES, ids=ORACLE_IDS)
+def test_round_matches_oracle_on_the_bit_probe(fmt: FloatFormat, dtype: np.dtype) -> None:
+    x = float32_bit_probe(fmt)
+    assert_same_float32(fmt.round(x), oracle_round(x, dtype))
+
+
+def test_cbfloat16_round_matches_reference_on_the_bit_probe() -> None:
+    x = float32_bit_probe(CBFLOAT16)
+    assert_same_float32(CBFLOAT16.round(x), reference_round(x, CBFLOAT16))
+
+
+@pytest.mark.parametrize("fmt", NAMED, ids=lambda fmt: fmt.name)
+def test_named_formats_round_without_the_integer_encoding(fmt: FloatFormat) -> None:
+    """The bit path has no count-leading-zeros (the encoding's exponent search) and is short."""
+    jaxpr = jax.make_jaxpr(fmt.round)(jnp.ones(8, jnp.float32))
+    text = str(jaxpr)
+    assert "clz" not in text
+    assert text.count(" = ") < 30, text
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        FloatFormat("e8m7_bias140", 8, 7, bias=140),  # subnormal steps below float32's normals
+        FloatFormat("e8m3_bias130", 8, 3, bias=130, saturate=True),
+        FloatFormat("e8m7_flush_bias140", 8, 7, bias=140, subnormals=False),
+        FloatFormat("e8m7_flushing", 8, 7, subnormals=False),  # rounds below 2**-126 alike
+    ],
+    ids=lambda fmt: fmt.name,
+)
+def test_formats_reaching_float32_subnormals_keep_the_integer_path(fmt: FloatFormat) -> None:
+    assert "clz" in str(jax.make_jaxpr(fmt.round)(jnp.ones(8, jnp.float32)))
+    x = float32_bit_probe(fmt)
+    x = x[~(np.abs(x) < 2.0**-126) | (x == 0)]  # reference_round's float64 sees no flushing
+    assert_same_float32(fmt.round(x), reference_round(x, fmt))
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        FloatFormat("e6m9_saturating", 6, 9, bias=31, saturate=True),
+        FloatFormat("e6m9_flushing", 6, 9, bias=31, subnormals=False),
+        FloatFormat("e6m9_fn", 6, 9, bias=31, has_inf=False),
+        FloatFormat("e6m9_fn_saturating", 6, 9, bias=31, has_inf=False, saturate=True),
+        FloatFormat("e7m8_flushing", 7, 8, subnormals=False),
+        FloatFormat("e2m1_bias_minus_100", 2, 1, bias=-100),  # every step above 1
+        FloatFormat("e5m10_bias_115", 5, 10, bias=115),  # smallest step 2**-124
+        FloatFormat("float32", 8, 23),
+    ],
+    ids=lambda fmt: fmt.name,
+)
+def test_variants_on_the_bit_path_match_both_oracles(fmt: FloatFormat) -> None:
+    x = float32_bit_probe(fmt)
+    assert "clz" not in str(jax.make_jaxpr(fmt.round)(jnp.ones(8, jnp.float32)))
+    assert_same_bits(fmt.round(x), integer_path_round(x, fmt))
+    x = x[~(np.abs(x) < 2.0**-126) | (x == 0)]  # reference_round's float64 sees no flushing
+    assert_same_float32(fmt.round(x), reference_round(x, fmt))
