@@ -65,16 +65,12 @@ def _jmp_step(
     )
 
 
-QUICK_COMPILE = {"xla_backend_optimization_level": 0}
-"""XLA:CPU options for the steps of the float32, float16 and bfloat16 rows: compiling them takes
-less time, and they run as fast. (cbfloat16's bit-exact rounding keeps the default: without
-LLVM's optimisations its step runs several times slower; the figures are in
-``docs/performance-notes.md``.)"""
-
-
 def _jitted(step: Callable[..., Any], fmt: str) -> Callable[..., Any]:
-    options = None if fmt == "cbfloat16" else QUICK_COMPILE
-    return jax.jit(step, static_argnums=0, donate_argnums=1, compiler_options=options)
+    """Every format's step compiled alike, with XLA's default options, so that the table's rows
+    compare formats, not compilers (at optimisation level 0 float32's step ran about 2x slower
+    and compiled no faster; docs/performance-notes.md)."""
+    del fmt
+    return jax.jit(step, static_argnums=0, donate_argnums=1)
 
 
 _STEPS = {
