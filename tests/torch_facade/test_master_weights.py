@@ -464,3 +464,20 @@ def test_a_gpt2_held_in_half_precision_trains_like_float32_only_with_masters():
 
 
 ROWS = ["float32", "float16+masters", "float16", "bfloat16+masters", "bfloat16"]
+
+
+def test_skip_aware_schedules_the_wrapper_by_applied_steps():
+    model = Exact(torch.float16)
+    optimizer = cstorch.amp.with_master_weights(torch.optim.SGD(model.parameters(), lr=0.5))
+    grad_scaler = scaler()
+    schedule = cstorch.amp.skip_aware(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), grad_scaler
+    )
+    for i in range(4):
+        via_step(model() * (INF if i == 1 else 1.0), optimizer, grad_scaler)
+        schedule.step()
+    assert schedule.last_epoch == 3 and schedule.get_last_lr() == [0.5 * 0.5**3]
+    before = optimizer.master_params()[0].clone()
+    via_step(model(), optimizer, grad_scaler)  # steps with the scheduled lr, handed on
+    assert optimizer.optimizer.param_groups[0]["lr"] == 0.0625
+    assert torch.equal(optimizer.master_params()[0], before - 0.0625 * model.c.float())
