@@ -25,6 +25,7 @@ from torch_facade.amp.diagnostics import (
 )
 from torch_facade.amp.grad_scaler import GradScaler, LossScaleStalledError
 from torch_facade.amp.locate_overflow import locate_overflow
+from torch_facade.amp.master_weights import with_master_weights
 from torch_facade.amp.optimizer_step import optimizer_step
 from torch_facade.amp.precision import (
     autocast,
@@ -72,4 +73,5 @@ __all__ = [
     "setup_optimizer",
     "skip_aware",
     "update_if_finite",
+    "with_master_weights",
 ]

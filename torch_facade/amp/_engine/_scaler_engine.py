@@ -182,9 +182,14 @@ class ScalerEngine:
                     "unscale_() on each optimizer before the first step() (as optimizer_step "
                     "does)."
                 )
-        if not self.warned_dtype and any(p.dtype != torch.float32 for p in params):
+        masters = getattr(optimizer, "_steps_float32_masters", False)  # with_master_weights
+        if not self.warned_dtype and not masters and any(p.dtype != torch.float32 for p in params):
             warnings.warn(
-                "GradScaler is unscaling gradients that are not float32 in their own dtype",
+                "GradScaler is unscaling gradients that are not float32 in their own dtype, and "
+                "the optimizer steps the parameters in it: in float16 or bfloat16, updates "
+                "smaller than half a unit in the last place round away. For a model held in "
+                "half precision, pass cstorch.amp.with_master_weights(optimizer) instead, "
+                "which steps float32 master copies (docs: pytorch/master-weights.md)",
                 UserWarning,
                 stacklevel=_caller.stacklevel(),
             )
