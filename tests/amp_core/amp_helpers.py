@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -63,3 +67,22 @@ def assert_trees_close(actual: Any, expected: Any, *, ulps: float) -> None:
         ours, theirs = ours.astype(np.float64), theirs.astype(np.float64)  # exact for every leaf
         atol = tolerance * float(np.nanmax(np.abs(theirs), initial=0.0))  # NaN elements: equal_nan
         np.testing.assert_allclose(ours, theirs, rtol=tolerance, atol=atol)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(source: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``source`` in a fresh interpreter at the repository root (importable there, whatever
+    the caller's ``PYTHONPATH``), its output captured; fails after two minutes."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", source],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -10,9 +10,6 @@ layer's input back; an input nothing differentiates, such as the data, has no ch
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from amp_helpers import run_script
 from flax import nnx
 
 from amp_core.locate_overflow import LocatedOverflow, locate_overflow
@@ -365,16 +363,6 @@ BLOCKED = textwrap.dedent(
 
 
 def test_the_module_imports_and_refuses_a_model_without_flax_or_equinox():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", BLOCKED],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_script(BLOCKED)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"

@@ -7,11 +7,10 @@ function leaf included; the second shows that the flax modules import flax only 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from amp_helpers import run_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,20 +86,6 @@ LAZY_IMPORT = textwrap.dedent(
     print("ok")
     """
 )
-
-
-def run_script(source: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-c", source],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_amp_core_imports_and_trains_with_flax_equinox_and_orbax_unimportable():

@@ -1,6 +1,6 @@
 """What the trainer workers share, for ``test_trainers_multiprocess.py``.
 
-Each worker trains :func:`make_net` (the tiny MLP of ``test_trainers.py``) with Adam, under a
+Each worker trains :func:`make_net` (the tiny MLP that ``test_trainers.py`` uses too) with Adam, under a
 trainer on :data:`WORLD` processes (gloo on 127.0.0.1), once with each scaler of
 :data:`SCALERS`: the facade's ``cstorch.amp.GradScaler(loss_scale="dynamic")`` and torch's own
 ``torch.amp.GradScaler``, both from ``2**8`` (nothing overflows by itself) and without growth

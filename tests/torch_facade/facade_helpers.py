@@ -190,3 +190,28 @@ def run_python(code: str, timeout: float = 120, **env: str) -> dict:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def tiny_gpt2(
+    *, vocab: int = 64, positions: int = 16, width: int = 32, heads: int = 2, seed: int = 0
+) -> torch.nn.Module:
+    """A randomly initialised two-layer Hugging Face ``GPT2LMHeadModel`` without dropout, drawn
+    from torch's generator at ``seed`` (dropout would make runs that must match differ)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=2, n_head=heads,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def quiet_cpu_training_arguments(output_dir: Any, **overrides: Any) -> Any:
+    """Hugging Face ``TrainingArguments`` for a float16 run on the CPU that saves, logs and
+    reports nothing (seed 0); ``overrides`` set the rest (batch size, steps, ...)."""
+    from transformers import TrainingArguments
+
+    quiet = dict(fp16=True, use_cpu=True, report_to="none", save_strategy="no")
+    quiet |= dict(logging_strategy="no", disable_tqdm=True, seed=0)
+    return TrainingArguments(output_dir=str(output_dir), **(quiet | overrides))

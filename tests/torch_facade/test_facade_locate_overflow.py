@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from facade_helpers import tiny_gpt2
 
 import torch_facade as cstorch
 from torch_facade.amp.locate_overflow import LocatedOverflow, OverflowEvent
@@ -289,20 +290,7 @@ def test_outputs_in_containers_are_read_and_non_float_outputs_ignored():
 
 def test_a_hugging_face_model_output_and_a_planted_gpt2_layer():
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=8,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2(vocab=64, positions=8)
     block = model.transformer.h[1]
     with torch.no_grad():
         block.mlp.c_fc.weight.mul_(1e6)  # the planted layer

@@ -19,16 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import facade_helpers
 import huggingface_hub
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 from transformers import (
-    GPT2Config,
     GPT2LMHeadModel,
     Trainer,
     TrainerCallback,
-    TrainingArguments,
 )
 
 import torch_facade as cstorch
@@ -54,20 +53,9 @@ def offline_and_one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def tiny_gpt2() -> GPT2LMHeadModel:
     """A randomly initialised two-layer GPT-2, without dropout (the runs must match bit for
     bit, and dropout would draw from torch's generator differently in the Trainer's runs)."""
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=LENGTH,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(config)
+    model = facade_helpers.tiny_gpt2(vocab=VOCAB, positions=LENGTH)
+    assert isinstance(model, GPT2LMHeadModel)
+    return model
 
 
 def token_batches() -> torch.Tensor:
@@ -145,20 +133,13 @@ def trainer_run(scaler: Any, output_dir: Path) -> dict[str, Any]:
     """
     AcceleratorState._reset_state(reset_partial_state=True)
     model = tiny_gpt2()
-    args = TrainingArguments(
-        output_dir=str(output_dir),
+    args = facade_helpers.quiet_cpu_training_arguments(
+        output_dir,
         per_device_train_batch_size=BATCH,
         max_steps=STEPS,
         learning_rate=1e-3,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
-        fp16=True,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=0,
     )
     data = [{"input_ids": t, "labels": t} for t in token_batches().reshape(-1, LENGTH)]
     record = RecordScale(scaler)

@@ -20,12 +20,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from facade_helpers import DLS, INF, TinyNet, batch, loss_of
+from facade_helpers import DLS, INF, TinyNet, batch, loss_of, quiet_cpu_training_arguments
 
 import torch_facade as cstorch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: nothing downloads
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 ITERATIONS = 8
 FAULTS = frozenset({0, 3, 4})  # iterations whose gradients get an inf: a first-step skip and two
@@ -512,19 +512,12 @@ def test_hf_trainer_steps_a_wrapped_scheduler_only_on_applied_steps(
         scaler = new_scaler()
         if wrap:
             scheduler = cstorch.amp.skip_aware(scheduler, scaler)
-        args = TrainingArguments(
-            output_dir=str(tmp_path / str(wrap)),
+        args = quiet_cpu_training_arguments(
+            tmp_path / str(wrap),
             per_device_train_batch_size=4,
             gradient_accumulation_steps=accumulation,
             max_steps=TRAINER_STEPS,
             max_grad_norm=1.0,
-            fp16=True,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            seed=0,
         )
         record = RecordLR()
         trainer = Trainer(

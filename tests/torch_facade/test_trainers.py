@@ -22,6 +22,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from _trainer_worker import make_net
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
@@ -39,16 +40,6 @@ INF = float("inf")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def make_net() -> torch.nn.Module:
-    """A small float32 MLP, the same weights every time."""
-    generator = torch.Generator().manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    with torch.no_grad():
-        for param in net.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    return net
 
 
 def make_loader() -> torch.utils.data.DataLoader:

@@ -148,14 +148,9 @@ class SkipAwareScheduler(LRScheduler):
 
     Example:
         >>> import torch, torch_facade as cstorch
-        >>> model = torch.nn.Linear(2, 1)
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> grad_scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
-        >>> scheduler = cstorch.amp.skip_aware(
-        ...     torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), grad_scaler
-        ... )
-        >>> isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
-        True
+        >>> counter = cstorch.amp.skip_aware(None, cstorch.amp.GradScaler(loss_scale="dynamic"))
+        >>> isinstance(counter, torch.optim.lr_scheduler.LRScheduler), counter.last_epoch
+        (True, 0)
     """
 
     def __init__(self, scheduler: LRScheduler | None, grad_scaler: GradScaler) -> None:
