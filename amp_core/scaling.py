@@ -248,7 +248,7 @@ def global_norm_of_unscaled(grads: Any, inv_scale: jax.typing.ArrayLike) -> jax.
     return jnp.sqrt(sum_of_unscaled_squares(grads, inv_scale))
 
 
-def combine_partials(partials: jax.typing.ArrayLike) -> jax.Array:
+def combine_partials(partials: jax.typing.ArrayLike, *, replicas: int = 1) -> jax.Array:
     """The global sum of squares from every rank's two partial sums (a distributed job).
 
     Each rank computes :func:`sum_of_unscaled_squares` twice over its local gradients: once over
@@ -259,26 +259,51 @@ def combine_partials(partials: jax.typing.ArrayLike) -> jax.Array:
     NaN, which propagates through ``max``) reaches every rank's decision. Every rank combines
     the same gathered array in the same order, so all ranks get the same bits.
 
+    With ``replicas > 1`` the ranks form that many replica groups, each holding every shard once
+    (HSDP: a 2-D device mesh, the shards replicated over its first dimension); the rows are then
+    in replica-major order (the mesh's ranks, row by row). The sharded sums add up within each
+    replica group only, and the largest group total counts: identical replicas give the sum over
+    one copy of the shards (summing every row would count each shard ``replicas`` times), and a
+    fault in one group's copy still reaches every rank's decision.
+
     Args:
         partials: float32 ``[ranks, 2]``: per rank, the sharded and the replicated sum.
+        replicas: how many replica groups the rows form (a positive integer dividing ``ranks``;
+            static under ``jit``).
 
     Returns:
         The float32 global sum of squares, 0-d.
 
     Raises:
-        ValueError: ``partials`` is not ``[ranks, 2]``.
+        ValueError: ``partials`` is not ``[ranks, 2]``, or ``replicas`` is not a positive
+            integer that divides ``ranks``.
 
     Example:
         >>> import amp_core, jax.numpy as jnp
         >>> float(amp_core.combine_partials(jnp.array([[1.0, 4.0], [2.0, 4.0]])))
         7.0
+        >>> hsdp = jnp.array([[1.0, 0.0], [2.0, 0.0], [1.0, 0.0], [2.0, 0.0]])  # 2 x 2 mesh
+        >>> float(amp_core.combine_partials(hsdp, replicas=2))
+        3.0
     """
     partials = jnp.asarray(partials, jnp.float32)
     if partials.ndim != 2 or partials.shape[1] != 2 or partials.shape[0] < 1:
         raise ValueError(
             f"partials must have shape [ranks, 2] (sharded, replicated); got {partials.shape}"
         )
-    return jnp.sum(partials[:, 0]) + jnp.max(partials[:, 1])
+    ranks = partials.shape[0]
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer; got {replicas!r}")
+    if ranks % replicas:
+        raise ValueError(
+            f"replicas must divide the number of ranks (rows of partials, {ranks}); "
+            f"got replicas={replicas}"
+        )
+    replicated = jnp.max(partials[:, 1])
+    if replicas == 1:
+        return jnp.sum(partials[:, 0]) + replicated
+    per_replica = jnp.sum(partials[:, 0].reshape(replicas, ranks // replicas), axis=1)
+    return jnp.max(per_replica) + replicated
 
 
 def _sum_of_unscaled_squares(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:

@@ -98,6 +98,61 @@ def test_combine_partials_rejects_other_shapes(compiled, shape):
         compiled(amp_core.combine_partials)(jnp.ones(shape, jnp.float32))
 
 
+@pytest.mark.parametrize(
+    ("partials", "replicas", "expected"),
+    [
+        # a 2 x 2 mesh (HSDP): each replica group holds both shards; rows replica-major
+        ([[1.0, 0.5], [2.0, 0.5], [1.0, 0.5], [2.0, 0.5]], 2, 3.5),
+        ([[1.0, 0.0], [2.0, 0.0], [1.0, 0.0], [2.0, 0.0]], 1, 6.0),  # every row: twice too much
+        ([[1.0, 0.0], [2.0, 0.0], [4.0, 0.0], [1.0, 0.0]], 2, 5.0),  # the larger group counts
+        ([[1.0, 0.0], [2.0, 0.0], [4.0, 0.0], [1.0, 0.0]], 4, 4.0),  # 4 replicas of one shard
+        ([[1.0, 0.0], [2.0, 0.0], [0.5, 0.0], [0.25, 0.0], [8.0, 0.0], [0.0, 3.0]], 2, 11.25),
+        ([[1.0, 2.0], [INF, 2.0], [1.0, 2.0], [1.0, 2.0]], 2, INF),  # one copy's fault
+        ([[1.0, 2.0], [1.0, 2.0], [NAN, 2.0], [1.0, 2.0]], 2, NAN),
+        ([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [1.0, NAN]], 2, NAN),
+    ],
+)
+def test_combine_partials_with_replicas_sums_shards_within_each_replica_group(
+    compiled, partials, replicas, expected
+):
+    """Oracle: the hand sum of each group's sharded rows, the larger of those, plus the largest
+    replicated value; a fault in any one row reaches the result."""
+    result = compiled(amp_core.combine_partials, replicas=replicas)(
+        jnp.asarray(partials, jnp.float32)
+    )
+    assert result.dtype == jnp.float32 and result.shape == ()
+    if np.isnan(expected):
+        assert np.isnan(result)
+    else:
+        assert_bitwise_equal(result, np.float32(expected))
+
+
+def test_combine_partials_with_one_replica_is_the_plain_combination(compiled):
+    """``replicas=1`` (the default) takes the path FSDP2 on a 1-D mesh always took, bit for bit."""
+    partials = jnp.asarray(np.random.default_rng(0).random((5, 2)), jnp.float32)
+    plain = compiled(amp_core.combine_partials)(partials)
+    assert_bitwise_equal(compiled(amp_core.combine_partials, replicas=1)(partials), plain)
+    expected = np.float32(np.sum(np.asarray(partials[:, 0]), dtype=np.float32)) + np.max(
+        np.asarray(partials[:, 1])
+    )
+    np.testing.assert_allclose(float(plain), float(expected), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "message"),
+    [
+        (3, r"replicas must divide the number of ranks \(rows of partials, 4\); got replicas=3"),
+        (0, r"replicas must be a positive integer; got 0"),
+        (-2, r"replicas must be a positive integer; got -2"),
+        (2.0, r"replicas must be a positive integer; got 2\.0"),
+        (True, r"replicas must be a positive integer; got True"),
+    ],
+)
+def test_combine_partials_rejects_replicas_that_do_not_split_the_ranks(replicas, message):
+    with pytest.raises(ValueError, match=message):
+        amp_core.combine_partials(jnp.ones((4, 2), jnp.float32), replicas=replicas)
+
+
 def re_shape(shape: tuple[int, ...]) -> str:
     return str(shape).replace("(", r"\(").replace(")", r"\)")
 

@@ -68,6 +68,9 @@ class Case:
         big_target_step: a step whose target overflows the float16 backward on rank 0's rows.
         resume_at: rebuild the scaler from a saved ``state_dict`` before this step.
         rtol, atol: how close to the one-process parameters the job must end.
+        mesh: FSDP2's device mesh as a grid of global ranks (``None``: the default 1-D mesh
+            over every rank); a 2-D grid is HSDP, its rows the replica groups
+            (``mesh_dim_names=("replicate", "shard")``).
     """
 
     wrapper: str
@@ -83,6 +86,7 @@ class Case:
     resume_at: int | None = None
     rtol: float = 1e-5
     atol: float = 1e-6
+    mesh: tuple[tuple[int, ...], ...] | None = None
 
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -271,9 +275,24 @@ def wrap(model: MLP, case: Case, distributed: bool, spies: Spies) -> torch.nn.Mo
         param_dtype=None if case.compute_dtype == torch.float32 else case.compute_dtype
     )
     model.cast = False
+    mesh = device_mesh(case.mesh)
     for layer in model.layers:
-        fully_shard(layer, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def device_mesh(grid: tuple[tuple[int, ...], ...] | None) -> Any:
+    """The 2-D mesh of ``grid`` (``init_device_mesh`` when its ranks come in order), or ``None``
+    for FSDP2's default 1-D mesh."""
+    if grid is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    names = ("replicate", "shard")
+    shape = (len(grid), len(grid[0]))
+    if [rank for row in grid for rank in row] == list(range(shape[0] * shape[1])):
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=names)
 
 
 def new_scaler(case: Case) -> Any:
@@ -288,8 +307,11 @@ def new_scaler(case: Case) -> Any:
     )
 
 
-def run_case(name: str, rank: int | None, world: int = 2) -> dict[str, Any]:
-    """Trains case ``name``: as ``rank`` of a ``world``-rank job, or in one process (``None``).
+def run_case(
+    name: str, rank: int | None, world: int = 2, cases: dict[str, Case] | None = None
+) -> dict[str, Any]:
+    """Trains case ``name`` of ``cases`` (default :data:`CASES`): as ``rank`` of a
+    ``world``-rank job, or in one process (``None``).
 
     Returns:
         Per step (arrays with a leading step axis): ``isfinite``, ``global_norm``, the scaler's
@@ -302,7 +324,7 @@ def run_case(name: str, rank: int | None, world: int = 2) -> dict[str, Any]:
         ``spies`` (what the scaler imported and gathered; DDP's buckets); and ``optimizer_state``
         (whole, at the end).
     """
-    case = CASES[name]
+    case = (CASES if cases is None else cases)[name]
     distributed = rank is not None
     spies = Spies()
     model = MLP(case.compute_dtype)
@@ -402,7 +424,8 @@ def average_gradients(params: list[torch.Tensor], world: int) -> None:
 
 
 def inject_fault(weight: torch.Tensor, value: float, sharded: bool) -> None:
-    """Writes ``value`` at :data:`FAULT_INDEX` of ``weight``'s gradient (rank 1's shard row)."""
+    """Writes ``value`` at :data:`FAULT_INDEX` of ``weight``'s gradient (a row of the last
+    shard: rank 1's on a 1-D mesh of 2, the last column's of an HSDP mesh)."""
     row, col = FAULT_INDEX
     grad = local(weight.grad)
     if sharded:

@@ -35,11 +35,14 @@ def join_gloo(port: str, rank: str, world: str) -> None:
     )
 
 
-def start_ranks(worker: Path, out: Path, world: int) -> list[subprocess.Popen[bytes]]:
+def start_ranks(
+    worker: Path, out: Path, world: int, extra_env: dict[str, str] | None = None
+) -> list[subprocess.Popen[bytes]]:
     """Starts every rank of ``worker`` (one torch thread each); rank ``r`` pickles its result
-    to ``out / f"rank{r}.pkl"`` and logs to ``out / f"rank{r}.log"``."""
+    to ``out / f"rank{r}.pkl"`` and logs to ``out / f"rank{r}.log"``. ``extra_env``: more
+    environment variables for the ranks."""
     repo_root = worker.parents[2]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1", **(extra_env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
     port = str(free_port())
     procs = []

@@ -85,12 +85,13 @@ def _fingerprint(state: amp_core.LossScaleState) -> list[jax.Array]:
 
 def _distributed_step(
     config: amp_core.LossScaleConfig,
+    replicas: int,
     carry: jax.Array,
     gathered: jax.Array,
     optimizer_steps: jax.Array,
 ) -> jax.Array:
     state = unpack(carry)
-    total = amp_core.combine_partials(gathered[:, :2])
+    total = amp_core.combine_partials(gathered[:, :2], replicas=replicas)
     consistent = jnp.all(gathered[:, 2:] == jnp.stack(_fingerprint(state)))
     return _finish(config, state, total, optimizer_steps, consistent)
 
@@ -125,10 +126,11 @@ def _partials_core(branch_free: bool) -> Any:
 
 
 @functools.cache
-def distributed_core(config: amp_core.LossScaleConfig) -> Any:
+def distributed_core(config: amp_core.LossScaleConfig, replicas: int = 1) -> Any:
     """A distributed job's finish, ``core(carry, gathered, optimizer_steps)``, from every rank's
-    gathered partials (``float32[ranks, 5]``); returns the next carry."""
-    return jax.jit(functools.partial(_distributed_step, config))
+    gathered partials (``float32[ranks, 5]``); returns the next carry. ``replicas``: the replica
+    groups of an HSDP mesh, rows in replica-major order (``amp_core.combine_partials``)."""
+    return jax.jit(functools.partial(_distributed_step, config, replicas))
 
 
 @functools.cache

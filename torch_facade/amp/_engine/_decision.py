@@ -338,7 +338,7 @@ class Decider:
             optimizers: the known optimizers (each counts one optimizer step).
         """
         grads = self.reader.read(params)
-        self._check_meshes(grads)
+        layout = _distributed.mesh_layout(grads.meshes, self.process_group)
         device = grads.device or carry.device or _CPU
         before = carry.packed_on(device)
         crossing = _dlpack.crossing_for(device)
@@ -358,8 +358,10 @@ class Decider:
             partials = _dlpack.to_torch(
                 _cores.partials_core(branch_free)(before, sharded, replicated)
             )
-            gathered = collective.gather(partials)
-            out = _cores.distributed_core(config)(before, _dlpack.to_jax(gathered), count)
+            gathered = layout.arrange(collective.gather(partials))
+            out = _cores.distributed_core(config, layout.replicas)(
+                before, _dlpack.to_jax(gathered), count
+            )
             keep = (partials, gathered)
         packed = _carry.exported_carry(out, crossing)  # the imports may go once this returns
         full = packed[Slot.MULTIPLIER]
@@ -384,13 +386,3 @@ class Decider:
         if collective is not None and crossing.host_is_device:
             decision.host_values()  # free here; checks that the ranks agreed
         return decision
-
-    def _check_meshes(self, grads: _gradients.GradientRead) -> None:
-        for mesh_group in grads.mesh_groups:
-            if not _distributed.same_ranks(mesh_group, self.process_group):
-                raise ValueError(
-                    "GradScaler's process group and the device mesh of the DTensor gradients "
-                    f"hold different ranks ({_distributed.ranks(self.process_group)} vs "
-                    f"{_distributed.ranks(mesh_group)}): the decision must be taken over the "
-                    "ranks that shard the gradients. Pass process_group=mesh.get_group()."
-                )

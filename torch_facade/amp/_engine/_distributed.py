@@ -4,10 +4,17 @@ Each rank computes its partial sums of squares (sharded and replicated, see
 :func:`amp_core.combine_partials`) and its loss scale and counters in JAX; this module gathers
 those five float32 numbers from every rank with one ``all_gather`` of the process group, and amp_core
 combines them identically on every rank. The gradients themselves never travel.
+
+With HSDP (DTensor gradients on a 2-D device mesh, replicated over its first dimension) the
+group's ranks form replica groups that each hold every shard once: :func:`mesh_layout` says how
+many, and in which order the gathered rows must come for :func:`amp_core.combine_partials` to
+add the shards up within each replica group only (a row permutation, no arithmetic).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -98,6 +105,69 @@ def collective(process_group: Any) -> Collective | None:
     return Collective(None)
 
 
-def same_ranks(group_a: Any, group_b: Any) -> bool:
-    """Whether two process groups (``None`` for the default) hold the same ranks."""
-    return ranks(group_a) == ranks(group_b)
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """How the gathered partials of one decision combine (see :func:`mesh_layout`).
+
+    Attributes:
+        replicas: the replica groups the ranks form (1: every rank holds a different shard).
+        order: the gathered rows (process-group order) that make the replica-major order of the
+            mesh's ranks, or ``None`` when they already come in it.
+    """
+
+    replicas: int = 1
+    order: tuple[int, ...] | None = None
+
+    def arrange(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``gathered`` (``[ranks, k]``, process-group order) with its rows in this order."""
+        return gathered if self.order is None else gathered[list(self.order)]
+
+
+ONE_COPY = MeshLayout()
+"""No replica groups: the layout of FSDP2 on a 1-D mesh, of plain gradients, of one process."""
+
+
+def mesh_layout(meshes: Sequence[Any], process_group: Any) -> MeshLayout:
+    """The layout of the decision's DTensor gradients on ``meshes`` over ``process_group``.
+
+    Every mesh must hold exactly the ranks of the process group (``None``: the default group),
+    so that the decision is taken once for all of them; a 2-D mesh (HSDP) has as many replica
+    groups as its first dimension is long.
+
+    Raises:
+        ValueError: a mesh over other ranks than the process group, or meshes that split the
+            ranks into replica groups differently.
+    """
+    if not meshes:
+        return ONE_COPY
+    group_ranks = ranks(process_group)
+    position = {rank: row for row, rank in enumerate(group_ranks)}
+    layouts: set[MeshLayout] = set()
+    for mesh in meshes:
+        mesh_ranks = [int(rank) for rank in mesh.mesh.reshape(-1).tolist()]
+        if sorted(mesh_ranks) != sorted(group_ranks):
+            if mesh.ndim == 1:
+                advice = "Pass process_group=mesh.get_group()."
+            else:
+                advice = (
+                    "Leave process_group=None (the default group) or pass a group of all the "
+                    "mesh's ranks, dist.new_group(mesh.mesh.flatten().tolist())."
+                )
+            raise ValueError(
+                "GradScaler's process group and the device mesh of the DTensor gradients "
+                f"hold different ranks ({group_ranks} vs {mesh_ranks}): the decision must be "
+                f"taken over the ranks that shard the gradients. {advice}"
+            )
+        if mesh.ndim == 1:
+            layouts.add(ONE_COPY)
+            continue
+        order = tuple(position[rank] for rank in mesh_ranks)
+        replicas = int(mesh.shape[0])
+        layouts.add(MeshLayout(replicas, None if order == tuple(range(len(order))) else order))
+    if len(layouts) > 1:
+        raise ValueError(
+            "GradScaler got DTensor gradients on device meshes that group the ranks into "
+            f"replicas differently ({sorted(map(repr, layouts))}); put every fully_shard of "
+            "the model on one mesh"
+        )
+    return layouts.pop()

@@ -54,7 +54,7 @@ class GradientRead:
         replicated: tensors every rank holds a copy of (everything in one process).
         covered: ``id`` of every parameter whose gradient was read.
         device: the device of the gradients (``None`` when there are none).
-        mesh_groups: the process groups of the DTensor gradients' device meshes.
+        meshes: the device meshes of the DTensor gradients (each once).
         tensors: when every gradient present is a plain tensor of its own, those gradients in
             parameter order: the list to multiply in place, as :func:`local_tensors` would
             build it again (``None`` otherwise).
@@ -69,7 +69,7 @@ class GradientRead:
     replicated: tuple[torch.Tensor, ...]
     covered: frozenset[int]
     device: torch.device | None
-    mesh_groups: tuple[Any, ...]
+    meshes: tuple[Any, ...]
     tensors: list[torch.Tensor] | None = None
     dtypes: frozenset[torch.dtype] | None = None
     kept: tuple[KeptPack | None, ...] | None = None
@@ -137,7 +137,7 @@ def _read(
         replicated=_storage.import_units(replicated),
         covered=frozenset(covered),
         device=devices.pop() if devices else None,
-        mesh_groups=tuple(mesh.get_group() for mesh in meshes.values()),
+        meshes=tuple(meshes.values()),
     )
     if not simple or result.device is None:
         return result, None
