@@ -67,8 +67,10 @@ def loss_fn(params: Any, x: Any, y: Any) -> Any:
     return jnp.mean((pred - y) ** 2)
 
 
-def make_train_steps(config: Any, inner: Any, replicated: Any) -> dict[str, Callable[..., Any]]:
-    """The two jitted data-parallel train steps: one per amp_core entry point."""
+def make_train_steps(config: Any, inner: Any, out_shardings: Any) -> dict[str, Callable[..., Any]]:
+    """The two jitted train steps, one per amp_core entry point, each returning
+    ``(params, opt_state, loss)`` placed by ``out_shardings`` (one sharding, or one per output).
+    """
     import jax
     import optax
 
@@ -93,10 +95,9 @@ def make_train_steps(config: Any, inner: Any, replicated: Any) -> dict[str, Call
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    # Outputs pinned replicated, so that every process holds the whole result.
     return {
-        "apply_scaled_gradients": jax.jit(fast_step, out_shardings=replicated),
-        "with_loss_scaling": jax.jit(wrapper_step, out_shardings=replicated),
+        "apply_scaled_gradients": jax.jit(fast_step, out_shardings=out_shardings),
+        "with_loss_scaling": jax.jit(wrapper_step, out_shardings=out_shardings),
     }
 
 
@@ -128,6 +129,7 @@ def run(out_file: str) -> None:
     )
     inner = optax.adam(1e-2)
     tx = amp_core.with_loss_scaling(inner, config)
+    # Outputs pinned replicated, so that every process holds the whole result.
     train_steps = make_train_steps(config, inner, replicated)
 
     results: dict[str, np.ndarray] = {}

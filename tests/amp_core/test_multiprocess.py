@@ -12,75 +12,18 @@ The workers (``_jax_multiprocess_worker.py``) write their results; this module c
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import _jax_multiprocess_worker as worker
 import numpy as np
 import pytest
+from jax_processes import Worker, assert_same_bits, run_workers
 
 from workbench.processes import free_port
 
 WORKER = Path(worker.__file__).resolve()
-REPO_ROOT = WORKER.parents[2]
 TIMEOUT_S = 120.0
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def child_env(host_devices: int) -> dict[str, str]:
-    """This environment with ``host_devices`` CPU devices (tests/conftest.py asks for 8)."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={host_devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def run_workers(commands: dict[str, tuple[list[str], int]], log_dir: Path) -> None:
-    """Starts every worker at once and waits for all; kills them all after ``TIMEOUT_S``.
-
-    Args:
-        commands: name -> (worker arguments, host device count).
-        log_dir: where each worker's stdout and stderr go (``<name>.log``).
-
-    Raises:
-        AssertionError: a worker failed or did not finish in time (with its log's tail).
-    """
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    killed: list[str] = []
-    try:
-        for name, (args, host_devices) in commands.items():
-            with open(log_dir / f"{name}.log", "wb") as log:
-                procs[name] = subprocess.Popen(
-                    [sys.executable, str(WORKER), *args],
-                    env=child_env(host_devices),
-                    cwd=REPO_ROOT,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        for proc in procs.values():
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for name, proc in procs.items():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                killed.append(name)
-    failed = {name: p.returncode for name, p in procs.items() if p.returncode != 0}
-    if failed:
-        tails = "\n".join(
-            f"--- {name} (exit {code}) ---\n{(log_dir / f'{name}.log').read_text()[-3000:]}"
-            for name, code in failed.items()
-        )
-        raise AssertionError(f"workers failed; killed after {TIMEOUT_S} s: {killed}\n{tails}")
 
 
 @pytest.fixture(scope="module")
@@ -88,33 +31,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Runs the 2-process job and the 1-process, 2-device reference side by side."""
     out = tmp_path_factory.mktemp("jax_multiprocess")
     port = str(free_port())
-    commands = {
-        "process0": ([str(out / "process0.npz"), port, "0", "2"], 1),
-        "process1": ([str(out / "process1.npz"), port, "1", "2"], 1),
-        "single": ([str(out / "single.npz")], 2),
-    }
-    run_workers(commands, out)
+    workers = [
+        Worker("process0", [str(out / "process0.npz"), port, "0", "2"], 1),
+        Worker("process1", [str(out / "process1.npz"), port, "1", "2"], 1),
+        Worker("single", [str(out / "single.npz")], 2),
+    ]
+    run_workers(WORKER, workers, out, TIMEOUT_S)
     loaded: dict[str, Any] = {}
-    for name in commands:
+    for name in ("process0", "process1", "single"):
         with np.load(out / f"{name}.npz") as data:
             loaded[name] = dict(data)
         loaded[f"{name}.facts"] = json.loads((out / f"{name}.npz.json").read_text())
     return loaded
-
-
-def assert_same_bits(actual: np.ndarray, expected: np.ndarray, key: str) -> None:
-    """Same dtype, shape and bytes, except that any NaN equals any NaN.
-
-    NaN payloads are not compared: gloo's all-reduce keeps the payload of a NaN that started in
-    float16, XLA's in-process all-reduce returns the default NaN.
-    """
-    assert actual.dtype == expected.dtype, key
-    assert actual.shape == expected.shape, key
-    if np.issubdtype(actual.dtype, np.floating):
-        nan = np.isnan(actual)
-        np.testing.assert_array_equal(nan, np.isnan(expected), err_msg=key)
-        actual, expected = actual[~nan], expected[~nan]
-    assert actual.tobytes() == expected.tobytes(), f"{key}: {actual} != {expected}"
 
 
 def test_the_job_is_two_processes_each_feeding_half_the_batch(runs: dict[str, Any]) -> None:
