@@ -245,3 +245,70 @@ def test_hsdp_gradients_with_the_default_group_are_decided(runs: dict[str, Any])
     assert errors(runs, "hsdp_world") == ["ok"] * worker.WORLD
     expected = str([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]])
     assert errors(runs, "full_tensor") == [expected] * worker.WORLD
+
+
+# ------------------------------------------- in this process: placements and row order alone
+
+
+class FakeMesh:
+    """What the scaler reads of a device mesh to classify a placement: its dimensions."""
+
+    def __init__(self, names: tuple[str, ...] | None, ndim: int) -> None:
+        self.mesh_dim_names, self.ndim = names, ndim
+
+
+@pytest.mark.parametrize(
+    ("placements", "names", "sharded"),
+    [
+        (("S0",), ("fsdp",), True),  # FSDP2 on a 1-D mesh
+        (("R",), ("fsdp",), False),
+        (("R", "S0"), ("replicate", "shard"), True),  # HSDP
+        (("R", "S1"), None, True),
+        (("R", "R"), ("replicate", "shard"), False),  # a replica everywhere
+    ],
+)
+def test_hsdp_placements_are_shards_over_the_last_dimension(
+    placements: tuple[str, ...], names: tuple[str, ...] | None, sharded: bool
+) -> None:
+    from torch_facade.amp._engine import _dtensor
+
+    mesh = FakeMesh(names, len(placements))
+    assert _dtensor.is_sharded(tuple(map(placement, placements)), mesh) is sharded
+
+
+@pytest.mark.parametrize(
+    ("placements", "names", "message"),
+    [
+        (("P",), None, r"Partial placement over mesh dimension 0: Partial\(sum\)"),
+        (("R", "P"), ("r", "s"), r"over mesh dimension 1 \('s'\): Partial\(sum\)"),
+        (("S0", "S1"), ("dp", "tp"), r"sharded over mesh dimension 0 \('dp'\): Shard\(dim=0\)"),
+        (("S0", "R"), None, r"sharded over mesh dimension 0: Shard\(dim=0\) \(placements"),
+        (("R", "R", "S0"), None, r"3-D mesh .*dimension 1: Replicate\(\); dimension 2: Shard"),
+    ],
+)
+def test_unsupported_placements_name_the_mesh_dimension_and_the_placement(
+    placements: tuple[str, ...], names: tuple[str, ...] | None, message: str
+) -> None:
+    from torch_facade.amp._engine import _dtensor
+
+    with pytest.raises(ValueError, match=message):
+        _dtensor.is_sharded(tuple(map(placement, placements)), FakeMesh(names, len(placements)))
+
+
+def placement(code: str) -> Any:
+    """``"S0"`` -> ``Shard(0)``, ``"R"`` -> ``Replicate()``, ``"P"`` -> ``Partial()``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if code.startswith("S"):
+        return Shard(int(code[1:]))
+    return Replicate() if code == "R" else Partial()
+
+
+def test_the_gathered_rows_are_put_in_the_mesh_s_replica_major_order() -> None:
+    """Rows of ranks 0..3 gathered in group order; replica groups {0, 2} and {1, 3}."""
+    from torch_facade.amp._engine import _distributed
+
+    gathered = torch.arange(8.0).reshape(4, 2)
+    layout = _distributed.MeshLayout(replicas=2, order=(0, 2, 1, 3))
+    assert layout.arrange(gathered)[:, 0].tolist() == [0.0, 4.0, 2.0, 6.0]
+    assert _distributed.ONE_COPY.arrange(gathered) is gathered
