@@ -46,7 +46,7 @@ from workbench.processes import free_port
 
 WORKER = Path(worker.__file__).resolve()
 shared = worker.shared
-TIMEOUT_S = 300.0  # a launch; on 2 loaded cores the first takes about ... s
+TIMEOUT_S = 300.0  # a launch: the first used 62 s of CPU, 109 s of wall on 2 cores loaded 6-fold
 SLURM_PROCESSES = 4
 SAVERS = ("save0", "save1")
 RESUMERS = ("resume0", "resume1")
