@@ -393,6 +393,7 @@ def join(how: list[str]) -> None:
             coordinator_address=f"127.0.0.1:{port}",
             num_processes=num_processes,
             process_id=process_id,
+            coordinator_bind_address=f"127.0.0.1:{port}",  # JAX's default: every interface
             **TIMEOUTS,
         )
     elif how:
