@@ -196,6 +196,7 @@ def main(argv: list[str]) -> None:
             coordinator_address=f"127.0.0.1:{port}",
             num_processes=num_processes,
             process_id=process_id,
+            coordinator_bind_address=f"127.0.0.1:{port}",  # JAX's default: every interface
             initialization_timeout=60,
             heartbeat_timeout_seconds=30,
             shutdown_timeout_seconds=30,

@@ -232,6 +232,74 @@ def make_nnx_stack(mesh: Any, config: Any, inner: Any) -> dict[str, Any]:
 # --- one job ------------------------------------------------------------------------------------
 
 
+def job_facts() -> dict[str, Any]:
+    """Who this process is in which job, for the test to check."""
+    facts: dict[str, Any] = {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "local_device_count": jax.local_device_count(),
+        "mesh_processes": [[d.process_index for d in row] for row in make_mesh().devices],
+        "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM_")},
+        "rows": {},
+        "local_x_finite": {},
+        "local_y_max": {},
+    }
+    if jax.process_count() > 1:
+        from jax._src import distributed  # the address the job was formed at
+
+        facts["coordinator_address"] = distributed.global_state.coordinator_address
+    return facts
+
+
+def checkpoint_manager(checkpoints: str, *, read_only: bool) -> ocp.CheckpointManager:
+    """orbax's manager over ``checkpoints``, its waits for the other processes bounded."""
+    options = ocp.CheckpointManagerOptions(
+        read_only=read_only, async_options=ocp.AsyncOptions(timeout_secs=CHECKPOINT_TIMEOUT_S)
+    )
+    return ocp.CheckpointManager(Path(checkpoints).resolve(), options=options)
+
+
+def save(checkpoints: str, optax_state: dict[str, Any], model: Any, optimizer: Any) -> list[int]:
+    """Every stack as step ``SAVE_AT``, committed in every process; returns the saved steps."""
+    manager = checkpoint_manager(checkpoints, read_only=False)
+    manager.save(
+        SAVE_AT,
+        args=ocp.args.Composite(
+            optax=ocp.args.StandardSave(optax_state),
+            nnx_model=ocp.args.StandardSave(nnx.state(model)),
+            nnx_optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+        ),
+    )
+    manager.wait_until_finished()  # committed everywhere before anyone says so
+    return list(manager.all_steps())
+
+
+def restore(
+    checkpoints: str, optax_stack: dict[str, Any], nnx_stack: dict[str, Any]
+) -> tuple[list[int], dict[str, Any], Any, Any]:
+    """Step ``SAVE_AT`` of every stack, placed as this job's abstract targets say.
+
+    Returns:
+        The steps the checkpoint directory holds, the optax state, the NNX model and optimizer.
+    """
+    manager = checkpoint_manager(checkpoints, read_only=True)
+    (model_def, model_target), (optimizer_def, optimizer_target) = nnx_stack["abstract"]()
+    restored = manager.restore(
+        SAVE_AT,
+        args=ocp.args.Composite(
+            optax=ocp.args.StandardRestore(optax_stack["abstract"]),
+            nnx_model=ocp.args.StandardRestore(model_target),
+            nnx_optimizer=ocp.args.StandardRestore(optimizer_target),
+        ),
+    )
+    steps = list(manager.all_steps())
+    manager.close()
+    model = nnx.merge(model_def, restored["nnx_model"])
+    optimizer = nnx.merge(optimizer_def, restored["nnx_optimizer"])
+    return steps, dict(restored["optax"]), model, optimizer
+
+
 def run(mode: str, out_file: str, checkpoints: str) -> None:
     """Trains both stacks as ``mode`` says and writes what happened to ``out_file``."""
     mesh = make_mesh()
@@ -245,45 +313,12 @@ def run(mode: str, out_file: str, checkpoints: str) -> None:
     inner = optax.adam(1e-2)
     optax_stack = make_optax_stack(mesh, config, inner)
     nnx_stack = make_nnx_stack(mesh, config, inner)
-
-    facts: dict[str, Any] = {
-        "process_index": jax.process_index(),
-        "process_count": jax.process_count(),
-        "device_count": jax.device_count(),
-        "local_device_count": jax.local_device_count(),
-        "mesh_processes": [[d.process_index for d in row] for row in mesh.devices],
-        "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM_")},
-        "rows": {},
-        "local_x_finite": {},
-        "local_y_max": {},
-    }
-    if jax.process_count() > 1:
-        from jax._src import distributed  # the address the job was formed at, for the test
-
-        facts["coordinator_address"] = distributed.global_state.coordinator_address
-
-    if mode != "train":
-        options = ocp.CheckpointManagerOptions(
-            read_only=mode == "resume",
-            async_options=ocp.AsyncOptions(timeout_secs=CHECKPOINT_TIMEOUT_S),
-        )
-        manager = ocp.CheckpointManager(Path(checkpoints).resolve(), options=options)
+    facts = job_facts()
     if mode == "resume":
         first = SAVE_AT
-        facts["checkpoint_steps"] = list(manager.all_steps())
-        (model_def, model_target), (optimizer_def, optimizer_target) = nnx_stack["abstract"]()
-        restored = manager.restore(
-            SAVE_AT,
-            args=ocp.args.Composite(
-                optax=ocp.args.StandardRestore(optax_stack["abstract"]),
-                nnx_model=ocp.args.StandardRestore(model_target),
-                nnx_optimizer=ocp.args.StandardRestore(optimizer_target),
-            ),
+        facts["checkpoint_steps"], optax_state, model, optimizer = restore(
+            checkpoints, optax_stack, nnx_stack
         )
-        manager.close()
-        optax_state = dict(restored["optax"])
-        model = nnx.merge(model_def, restored["nnx_model"])
-        optimizer = nnx.merge(optimizer_def, restored["nnx_optimizer"])
     else:
         first = 0
         optax_state = fresh_optax(optax_stack)
@@ -335,16 +370,7 @@ def run(mode: str, out_file: str, checkpoints: str) -> None:
         for stack in STACKS
     }
     if mode == "save":
-        manager.save(
-            SAVE_AT,
-            args=ocp.args.Composite(
-                optax=ocp.args.StandardSave(optax_state),
-                nnx_model=ocp.args.StandardSave(nnx.state(model)),
-                nnx_optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
-            ),
-        )
-        manager.wait_until_finished()  # committed in every process before anyone says so
-        facts["checkpoint_steps"] = list(manager.all_steps())
+        facts["checkpoint_steps"] = save(checkpoints, optax_state, model, optimizer)
     np.savez(out_file, **results)
     Path(f"{out_file}.json").write_text(json.dumps(facts))
     if mode == "save":
@@ -367,6 +393,7 @@ def join(how: list[str]) -> None:
             coordinator_address=f"127.0.0.1:{port}",
             num_processes=num_processes,
             process_id=process_id,
+            coordinator_bind_address=f"127.0.0.1:{port}",  # JAX's default: every interface
             **TIMEOUTS,
         )
     elif how:
