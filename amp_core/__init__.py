@@ -23,6 +23,11 @@ from amp_core.diagnostics import (
     scaler_metrics,
     suggested_loss_scale,
 )
+from amp_core.framework_configs import (
+    UNBOUNDED_LOSS_SCALE,
+    from_deepspeed_config,
+    from_megatron_args,
+)
 from amp_core.scaling import (
     CLIP_EPSILON,
     GradCheck,
@@ -67,6 +72,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CLIP_EPSILON",
+    "UNBOUNDED_LOSS_SCALE",
     "DynamicLossScale",
     "GradCheck",
     "GradientRange",
@@ -84,6 +90,8 @@ __all__ = [
     "check_sum_of_squares",
     "clip_coefficient",
     "combine_partials",
+    "from_deepspeed_config",
+    "from_megatron_args",
     "from_state_dict",
     "fused_optimizer_args",
     "global_norm_of_unscaled",

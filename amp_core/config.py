@@ -56,10 +56,21 @@ class DynamicLossScale:
     The update rule, applied once per training step with that step's ``isfinite``::
 
         steps += 1; overflows += not isfinite
-        if overflows / steps > overflow_tolerance:  scale /= 2; steps = overflows = 0
-        if steps > steps_per_increase:              scale *= 2; steps = overflows = 0
+        if overflows / steps > overflow_tolerance:
+            if absorbed < hysteresis - 1:           absorbed += 1   # a strike: scale kept
+            else:                                   scale /= 2
+            steps = overflows = 0
+        elif isfinite and consecutive_hysteresis:   absorbed = 0
+        if steps > steps_per_increase:
+            scale *= 2; absorbed = 0
+            steps = steps_per_increase + 1 - growth_interval; overflows = 0
         scale = min(scale, max_loss_scale); non_clamped = scale
         scale = max(scale, min_loss_scale)
+
+    With the defaults (``hysteresis=1``, ``growth_interval=steps_per_increase + 1``) this is
+    SPEC section 2 exactly. ``hysteresis``, ``consecutive_hysteresis`` and ``growth_interval``
+    reproduce DeepSpeed's ``DynamicLossScaler`` and Megatron's ``DynamicGradScaler`` (see
+    :func:`amp_core.from_deepspeed_config` and :func:`amp_core.from_megatron_args`).
 
     Attributes:
         init_scale: the first loss scale (the state starts at ``min(max_loss_scale, init_scale)``).
@@ -74,7 +85,22 @@ class DynamicLossScale:
         half_dtype: the half dtype whose defaults fill the ``None`` arguments.
         stall_steps: a run has stalled (:func:`amp_core.is_stalled`) once this many consecutive
             steps overflowed with the scale already at ``min_loss_scale``: lowering the scale
-            can no longer help (default ``steps_per_increase``).
+            can no longer help (default ``steps_per_increase``). Overflows that hysteresis
+            absorbs are not counted.
+        hysteresis: how many overflows it takes to halve the scale (DeepSpeed's and Megatron's
+            ``hysteresis``): the first ``hysteresis - 1`` are absorbed (the step is skipped,
+            the scale kept, the growth count restarted). Absorbed overflows are forgiven when
+            the scale grows, and not when it halves: once exhausted, every overflow halves
+            until the next growth. ``1`` (the default) halves on every overflow, as SPEC
+            section 2. Needs ``overflow_tolerance=0``.
+        consecutive_hysteresis: also forgive the absorbed overflows at every finite step
+            (DeepSpeed's ``consecutive_hysteresis``): only ``hysteresis`` overflows in a row
+            halve the scale.
+        growth_interval: the steps from one growth to the next when no overflow comes between
+            (default ``steps_per_increase + 1``, SPEC section 2; DeepSpeed's scaler grows after
+            ``loss_scale_window + 1`` finite steps, then every ``loss_scale_window``). From
+            ``1`` to ``steps_per_increase + 1``; other than the default, it needs
+            ``overflow_tolerance=0``.
 
     Example:
         >>> import amp_core
@@ -91,6 +117,9 @@ class DynamicLossScale:
     max_gradient_norm: float | None = None
     half_dtype: str = DEFAULT_HALF_DTYPE
     stall_steps: int | None = None
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    growth_interval: int | None = None
 
     def __post_init__(self) -> None:
         half = canonical_half_dtype(self.half_dtype, argument="half_dtype")
@@ -119,6 +148,15 @@ class DynamicLossScale:
         resolved["stall_steps"] = _positive_int(
             "stall_steps", _default(self.stall_steps, resolved["steps_per_increase"])
         )
+        resolved.update(
+            _hysteresis_settings(
+                self.hysteresis,
+                self.consecutive_hysteresis,
+                self.growth_interval,
+                steps_per_increase=resolved["steps_per_increase"],
+                overflow_tolerance=resolved["overflow_tolerance"],
+            )
+        )
         if resolved["min_loss_scale"] < MIN_LOSS_SCALE_FLOOR:
             raise ValueError(
                 f"min_loss_scale must be at least 2**-14 = {MIN_LOSS_SCALE_FLOOR!r} for dynamic "
@@ -141,6 +179,58 @@ class DynamicLossScale:
     def clips(self) -> bool:
         """Whether global gradient clipping (GCC) is fused into the overflow check."""
         return self.max_gradient_norm is not None
+
+    @property
+    def has_hysteresis(self) -> bool:
+        """Whether overflows can be absorbed (``hysteresis > 1``): the state then counts them."""
+        return self.hysteresis > 1
+
+
+def _hysteresis_settings(
+    hysteresis: Any,
+    consecutive_hysteresis: Any,
+    growth_interval: Any,
+    *,
+    steps_per_increase: int,
+    overflow_tolerance: float,
+) -> dict[str, Any]:
+    """Validates the hysteresis arguments of :class:`DynamicLossScale`; returns them resolved.
+
+    Raises:
+        TypeError: a value of the wrong type.
+        ValueError: a value out of range, or ``hysteresis > 1`` or a ``growth_interval`` other
+            than ``steps_per_increase + 1`` with ``overflow_tolerance > 0``.
+    """
+    if not isinstance(consecutive_hysteresis, bool):
+        raise TypeError(
+            f"consecutive_hysteresis must be a bool; got {consecutive_hysteresis!r} "
+            f"({type(consecutive_hysteresis).__name__})"
+        )
+    strikes = _positive_int("hysteresis", hysteresis)
+    if strikes > 1 and overflow_tolerance > 0:
+        raise ValueError(
+            f"hysteresis={strikes} and overflow_tolerance={overflow_tolerance!r} cannot be "
+            "combined: both decide when an overflow halves the scale (hysteresis counts "
+            "overflows, overflow_tolerance their fraction of the steps). Set one of them: "
+            "hysteresis=1 or overflow_tolerance=0"
+        )
+    interval = _positive_int("growth_interval", _default(growth_interval, steps_per_increase + 1))
+    if interval > steps_per_increase + 1:
+        raise ValueError(
+            f"growth_interval must be from 1 to steps_per_increase + 1 = {steps_per_increase + 1}; "
+            f"got {growth_interval!r}"
+        )
+    if interval != steps_per_increase + 1 and overflow_tolerance > 0:
+        raise ValueError(
+            f"growth_interval={interval} needs overflow_tolerance=0 (it starts the step count "
+            f"after a growth at {steps_per_increase + 1 - interval}, which would change the "
+            f"overflow ratio); got overflow_tolerance={overflow_tolerance!r}"
+        )
+    return {
+        "hysteresis": strikes,
+        "consecutive_hysteresis": consecutive_hysteresis,
+        "growth_interval": interval,
+    }
 
 
 _MAX_COUNTER = int(np.iinfo(np.int32).max)
@@ -169,6 +259,9 @@ def make_config(
     max_gradient_norm: float | None = None,
     half_dtype: Any = DEFAULT_HALF_DTYPE,
     stall_steps: int | None = None,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+    growth_interval: int | None = None,
 ) -> LossScaleConfig:
     """Builds a configuration from the ``cstorch.amp.GradScaler`` constructor arguments.
 
@@ -186,6 +279,9 @@ def make_config(
         max_gradient_norm: see :class:`DynamicLossScale`.
         half_dtype: the half dtype whose defaults apply.
         stall_steps: see :class:`DynamicLossScale`.
+        hysteresis: see :class:`DynamicLossScale`.
+        consecutive_hysteresis: see :class:`DynamicLossScale`.
+        growth_interval: see :class:`DynamicLossScale`.
 
     Returns:
         The validated configuration.
@@ -216,8 +312,20 @@ def make_config(
             max_gradient_norm=max_gradient_norm,
             half_dtype=half_dtype,
             stall_steps=stall_steps,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            growth_interval=growth_interval,
         )
     canonical_half_dtype(half_dtype, argument="half_dtype")
+    # Ignored by static scaling, as the other dynamic-only arguments; still checked, so that a
+    # mistyped value is not carried silently.
+    _hysteresis_settings(
+        hysteresis,
+        consecutive_hysteresis,
+        growth_interval,
+        steps_per_increase=_MAX_COUNTER - 1,
+        overflow_tolerance=0.0,
+    )
     return StaticLossScale(loss_scale=1.0 if loss_scale is None else loss_scale)
 
 

@@ -462,15 +462,22 @@ def update(
     branch-free, so one XLA computation)::
 
         steps += 1; overflows += 1 - isfinite
-        dec = overflow_tolerance < overflows / steps      # float32, strict
-        scale /= 1 + dec;  if dec: steps = overflows = 0
+        over = overflow_tolerance < overflows / steps     # float32, strict
+        strike = over and absorbed < hysteresis - 1       # hysteresis absorbs it
+        dec = over and not strike
+        scale /= 1 + dec;  if over: steps = overflows = 0;  absorbed += strike
+        if isfinite and consecutive_hysteresis: absorbed = 0
         inc = steps_per_increase < steps                  # strict
-        scale *= 1 + inc;  if inc: steps = overflows = 0
+        scale *= 1 + inc
+        if inc: steps = steps_per_increase + 1 - growth_interval; overflows = absorbed = 0
         scale = min(scale, max_loss_scale); non_clamped = scale
         scale = max(scale, min_loss_scale)
         num_skipped_steps += (1 - isfinite) * optimizer_steps
         overflows_at_min_scale = (overflows_at_min_scale + 1 if the step overflowed at
-                                  min_loss_scale, else 0)
+                                  min_loss_scale and was not absorbed; unchanged if it was
+                                  absorbed; else 0)
+
+    With the default ``hysteresis=1`` and ``growth_interval`` this is SPEC section 2.
 
     Args:
         config: the loss-scaling configuration.
@@ -500,24 +507,42 @@ def update(
     overflow = jnp.logical_not(isfinite).astype(COUNTER_DTYPE)
     zero = jnp.zeros((), COUNTER_DTYPE)
 
+    steps_per_increase = cast(int, config.steps_per_increase)  # resolved: never None
+    # Resolved in __post_init__; None only in a configuration pickled before the field existed.
+    growth_interval = (
+        steps_per_increase + 1 if config.growth_interval is None else config.growth_interval
+    )
+
     steps = state.steps_since_rescale + 1
     overflows = state.overflows_since_rescale + overflow
     ratio = overflows.astype(jnp.float32) / steps.astype(jnp.float32)
-    decrease = jnp.float32(config.overflow_tolerance) < ratio
+    over = jnp.float32(config.overflow_tolerance) < ratio
+    absorbed = state.absorbed_overflows
+    strike = jnp.logical_and(over, absorbed < config.hysteresis - 1)
+    decrease = jnp.logical_and(over, jnp.logical_not(strike))
     scale = jnp.where(decrease, state.loss_scale / 2, state.loss_scale)
-    steps = jnp.where(decrease, zero, steps)
-    overflows = jnp.where(decrease, zero, overflows)
+    steps = jnp.where(over, zero, steps)
+    overflows = jnp.where(over, zero, overflows)
+    absorbed = absorbed + strike.astype(COUNTER_DTYPE)
+    if config.consecutive_hysteresis:
+        absorbed = jnp.where(isfinite, zero, absorbed)
 
-    increase = cast(int, config.steps_per_increase) < steps  # resolved: never None
+    increase = steps_per_increase < steps
     scale = jnp.where(increase, scale * 2, scale)
-    steps = jnp.where(increase, zero, steps)
+    restart = jnp.asarray(steps_per_increase + 1 - growth_interval, COUNTER_DTYPE)
+    steps = jnp.where(increase, restart, steps)
     overflows = jnp.where(increase, zero, overflows)
+    absorbed = jnp.where(increase, zero, absorbed)
 
     scale = jnp.minimum(scale, jnp.float32(config.max_loss_scale))
     non_clamped = scale
     scale = jnp.maximum(scale, jnp.float32(config.min_loss_scale))
     at_min = state.loss_scale <= jnp.float32(config.min_loss_scale)
     stalled_overflow = jnp.logical_and(jnp.logical_not(isfinite), at_min)
+    at_min_count = jnp.where(stalled_overflow, state.overflows_at_min_scale + 1, zero)
+    # An overflow that hysteresis absorbs does not try to lower the scale: not a stall, and
+    # not the end of one either.
+    at_min_count = jnp.where(strike, state.overflows_at_min_scale, at_min_count)
     return LossScaleState(
         loss_scale=scale,
         non_clamped_scale=non_clamped,
@@ -526,7 +551,8 @@ def update(
         num_skipped_steps=state.num_skipped_steps + overflow * steps_taken,
         isfinite=isfinite,
         global_norm=norm,
-        overflows_at_min_scale=jnp.where(stalled_overflow, state.overflows_at_min_scale + 1, zero),
+        overflows_at_min_scale=at_min_count,
+        absorbed_overflows=absorbed,
     )
 
 

@@ -16,6 +16,15 @@ COUNTER_DTYPE = jnp.int32
 """Integer dtype of the step counters inside JAX (``state_dict`` returns Python ints)."""
 
 
+def _read_only_zero() -> np.ndarray:
+    zero = np.zeros((), np.dtype(COUNTER_DTYPE))
+    zero.flags.writeable = False
+    return zero
+
+
+_READ_ONLY_ZERO = _read_only_zero()
+
+
 class LossScaleState(NamedTuple):
     """Everything that changes from step to step. All leaves are arrays.
 
@@ -32,6 +41,10 @@ class LossScaleState(NamedTuple):
         overflows_at_min_scale: consecutive overflowed steps taken at ``min_loss_scale``
             (int32, 0-d; a finite step resets it). A run whose count keeps growing cannot
             progress: see :func:`amp_core.is_stalled`.
+        absorbed_overflows: overflows that hysteresis let pass without halving the scale since
+            it was last restored (int32, 0-d; from ``0`` to ``hysteresis - 1``; always ``0``
+            when ``hysteresis`` is 1). DeepSpeed's ``cur_hysteresis`` is
+            ``hysteresis - absorbed_overflows``.
 
     Example:
         >>> import amp_core
@@ -50,6 +63,8 @@ class LossScaleState(NamedTuple):
     isfinite: jax.Array
     global_norm: jax.Array
     overflows_at_min_scale: jax.Array
+    # A default, so that states built or pickled before the field existed (eight leaves) load.
+    absorbed_overflows: jax.Array = cast(jax.Array, _READ_ONLY_ZERO)
 
 
 def init(config: LossScaleConfig) -> LossScaleState:
@@ -96,6 +111,7 @@ def init_on_host(config: LossScaleConfig) -> LossScaleState:
         np.ones((), np.bool_),  # isfinite
         np.zeros((), np.float32),  # global_norm
         np.zeros((), counter),  # overflows_at_min_scale
+        np.zeros((), counter),  # absorbed_overflows
     )
     # NumPy leaves stand in for jax.Array: every function here accepts them.
     return LossScaleState(*(cast(jax.Array, leaf) for leaf in leaves))
@@ -108,6 +124,7 @@ _DYNAMIC_KEYS = (
     "num_skipped_steps",
     "overflows_at_min_scale",
 )
+_HYSTERESIS_KEYS = (*_DYNAMIC_KEYS, "absorbed_overflows")
 _STATIC_KEYS = ("loss_scale",)
 
 
@@ -115,7 +132,9 @@ def state_dict_keys(config: LossScaleConfig) -> tuple[str, ...]:
     """The checkpoint keys of ``config``'s kind (SPEC section 9).
 
     Dynamic scaling adds ``overflows_at_min_scale`` to the reference's four keys, so that a
-    resumed run keeps counting a stall; checkpoints without it still load.
+    resumed run keeps counting a stall, and with ``hysteresis > 1`` ``absorbed_overflows``, so
+    that it resumes with the same strikes left; checkpoints without them still load (the
+    counters then keep their values: zero in a new scaler).
 
     Example:
         >>> import amp_core
@@ -123,15 +142,20 @@ def state_dict_keys(config: LossScaleConfig) -> tuple[str, ...]:
         ('loss_scale',)
         >>> amp_core.state_dict_keys(amp_core.DynamicLossScale())[-1]
         'overflows_at_min_scale'
+        >>> amp_core.state_dict_keys(amp_core.DynamicLossScale(hysteresis=2))[-1]
+        'absorbed_overflows'
     """
-    return _DYNAMIC_KEYS if config.is_dynamic else _STATIC_KEYS
+    if isinstance(config, DynamicLossScale):
+        return _HYSTERESIS_KEYS if config.has_hysteresis else _DYNAMIC_KEYS
+    return _STATIC_KEYS
 
 
 def to_state_dict(config: LossScaleConfig, state: LossScaleState) -> dict[str, float | int]:
     """Returns the cstorch checkpoint dictionary as Python numbers (a host synchronisation).
 
     Dynamic: ``loss_scale``, ``steps_since_rescale``, ``overflows_since_rescale``,
-    ``num_skipped_steps`` and ``overflows_at_min_scale``; static: ``loss_scale``.
+    ``num_skipped_steps`` and ``overflows_at_min_scale`` (and ``absorbed_overflows`` with
+    ``hysteresis > 1``); static: ``loss_scale``.
 
     Example:
         >>> import amp_core
@@ -185,6 +209,13 @@ def from_state_dict(
     for key in allowed[1:]:
         if key in state_dict:
             updates[key] = array(_checkpoint_count(key, state_dict[key]), COUNTER_DTYPE)
+    if "absorbed_overflows" in updates and isinstance(config, DynamicLossScale):
+        absorbed = int(updates["absorbed_overflows"])
+        if absorbed >= config.hysteresis:
+            raise ValueError(
+                f"state_dict['absorbed_overflows'] must be less than hysteresis="
+                f"{config.hysteresis}; got {absorbed}"
+            )
     return state._replace(**updates)
 
 

@@ -469,7 +469,8 @@ def loss_scale_state(source: Any) -> LossScaleState:
         return LossScaleState(*(_plain_field(n, v) for n, v in zip(_FIELDS, fields, strict=True)))
     restored = [node for node in nodes if _is_scaler_mapping(node)]
     if not typed and len(restored) == 1:
-        return LossScaleState(*(_plain_field(n, restored[0][n]) for n in _FIELDS))
+        mapping = restored[0]
+        return LossScaleState(*(_plain_field(n, mapping[n]) for n in _FIELDS if n in mapping))
     if typed:
         raise ValueError(
             "the state must contain exactly one state made by amp_core.with_loss_scaling; "
@@ -485,8 +486,15 @@ def loss_scale_state(source: Any) -> LossScaleState:
 _FIELDS = LossScaleState._fields
 
 
+_FIELDS_BEFORE_HYSTERESIS = frozenset(_FIELDS) - {"absorbed_overflows"}
+"""The fields of a checkpoint saved before ``absorbed_overflows`` existed (it defaults to 0)."""
+
+
 def _is_scaler_mapping(node: Any) -> bool:
-    return isinstance(node, Mapping) and set(node.keys()) == set(_FIELDS)
+    return isinstance(node, Mapping) and set(node.keys()) in (
+        set(_FIELDS),
+        _FIELDS_BEFORE_HYSTERESIS,
+    )
 
 
 def _is_scaler_node(node: Any) -> bool:

@@ -193,6 +193,7 @@ DOCUMENTED_DTYPES = {
     "isfinite": jnp.bool_,
     "global_norm": jnp.float32,
     "overflows_at_min_scale": jnp.int32,
+    "absorbed_overflows": jnp.int32,
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import amp_core
+from amp_core import framework_configs as amp_core_framework_configs
 from torch_facade.amp import _caller, _torch_checkpoint
 from torch_facade.amp._arguments import check_optimizer, optimizer_list
 from torch_facade.amp._engine import ScalerEngine, Slot
@@ -86,6 +87,12 @@ class GradScaler:
         stall_steps: DLS warns (once) when this many consecutive steps overflowed with the
             scale already at ``min_loss_scale`` (default ``steps_per_increase``).
         raise_on_stall: raise :class:`LossScaleStalledError` instead of warning.
+        hysteresis: DLS halves the scale at the ``hysteresis``-th overflow (DeepSpeed's and
+            Megatron's ``hysteresis``); the ones before are skipped with the scale kept, and
+            forgiven when the scale grows. ``1`` (the default): every overflow halves.
+        consecutive_hysteresis: also forgive them at every finite step (DeepSpeed's option).
+        growth_interval: steps from one growth to the next with no overflow between (default
+            ``steps_per_increase + 1``; DeepSpeed's rule is ``steps_per_increase``).
 
     Raises:
         ValueError: invalid values (SPEC section 1).
@@ -120,6 +127,9 @@ class GradScaler:
         process_group: Any = None,
         stall_steps: int | None = None,
         raise_on_stall: bool = False,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        growth_interval: int | None = None,
     ) -> None:
         self._config = amp_core.make_config(
             loss_scale,
@@ -131,6 +141,9 @@ class GradScaler:
             max_gradient_norm=max_gradient_norm,
             half_dtype=get_half_dtype_str(),
             stall_steps=stall_steps,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            growth_interval=growth_interval,
         )
         if not isinstance(raise_on_stall, bool):
             raise TypeError(f"raise_on_stall must be a bool; got {raise_on_stall!r}")
@@ -146,14 +159,132 @@ class GradScaler:
         """The resolved ``amp_core`` configuration (every default filled in)."""
         return self._config
 
+    @classmethod
+    def from_deepspeed_config(
+        cls,
+        config: Any,
+        *,
+        clip_in_scaler: bool = True,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        process_group: Any = None,
+    ) -> GradScaler:
+        """A scaler that takes DeepSpeed's decisions, step for step, from its ``ds_config``.
+
+        Reads ``fp16`` (``enabled``, ``loss_scale``, ``initial_scale_power``,
+        ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``, ``min_loss_scale``),
+        ``bf16.enabled`` and ``gradient_clipping``, as :func:`amp_core.from_deepspeed_config`
+        (the table of keys is there and on the docs page "DeepSpeed and Megatron settings").
+        With dynamic fp16 scaling the scaler raises :class:`LossScaleStalledError` in
+        ``update()`` when an overflow finds the scale at ``min_loss_scale`` with no
+        hysteresis left, where DeepSpeed raises "Current loss scale already at minimum".
+
+        The half dtype in force is left alone: call ``cstorch.amp.set_half_dtype`` for the
+        model as the config says (``"float16"`` or ``"bfloat16"``).
+
+        Args:
+            config: the whole ``ds_config`` (a dict, or the path of its JSON file), or its
+                ``fp16`` section.
+            clip_in_scaler: map ``gradient_clipping`` to the scaler's fused clipping
+                (``max_gradient_norm``); ``False``: leave it to the loop
+                (``optimizer_step(..., max_gradient_norm=...)``).
+            optimizers: as in the constructor.
+            process_group: as in the constructor.
+
+        Raises:
+            TypeError: ``config`` is not a mapping or a path, or an entry has the wrong type.
+            ValueError: an unknown key, an ``"auto"`` value, an out-of-range value, fp16 and
+                bf16 both enabled, or clipping with a static scale while ``clip_in_scaler``.
+
+        Example:
+            >>> import torch_facade as cstorch
+            >>> scaler = cstorch.amp.GradScaler.from_deepspeed_config(
+            ...     {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+            ...               "hysteresis": 2}, "gradient_clipping": 1.0}
+            ... )
+            >>> scaler.get_scale(), scaler.config.hysteresis, scaler.config.max_gradient_norm
+            (tensor(4096.), 2, 1.0)
+        """
+        settings = amp_core_framework_configs.deepspeed_settings(
+            config, clip_in_scaler=clip_in_scaler
+        )
+        return cls._from_settings(settings, optimizers, process_group)
+
+    @classmethod
+    def from_megatron_args(
+        cls,
+        args: Any,
+        *,
+        clip_in_scaler: bool = True,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        process_group: Any = None,
+    ) -> GradScaler:
+        """A scaler that takes Megatron's decisions, step for step, from its arguments.
+
+        Reads ``--fp16``, ``--bf16``, ``--loss-scale``, ``--initial-loss-scale``,
+        ``--min-loss-scale``, ``--loss-scale-window``, ``--hysteresis`` and ``--clip-grad``
+        from Megatron's ``argparse.Namespace``, a mapping or a list of flags, as
+        :func:`amp_core.from_megatron_args`. The half dtype in force is left alone.
+
+        Args:
+            args: Megatron's arguments (a Namespace, an object or mapping with its names, or a
+                list of command-line flags).
+            clip_in_scaler: map ``--clip-grad`` to the scaler's fused clipping; ``False``:
+                leave it to the loop (needed with ``--bf16``, whose scale is static).
+            optimizers: as in the constructor.
+            process_group: as in the constructor.
+
+        Raises:
+            TypeError: ``args`` of another kind, or a value of the wrong type.
+            ValueError: an unknown loss-scaling flag, an out-of-range value or a combination
+                Megatron has no meaning for (see :func:`amp_core.from_megatron_args`).
+
+        Example:
+            >>> import torch_facade as cstorch
+            >>> scaler = cstorch.amp.GradScaler.from_megatron_args(
+            ...     ["--fp16", "--initial-loss-scale", "65536", "--hysteresis", "3"]
+            ... )
+            >>> scaler.get_scale(), scaler.config.hysteresis, scaler.config.steps_per_increase
+            (tensor(65536.), 3, 999)
+        """
+        settings = amp_core_framework_configs.megatron_settings(args, clip_in_scaler=clip_in_scaler)
+        return cls._from_settings(settings, optimizers, process_group)
+
+    @classmethod
+    def _from_settings(
+        cls,
+        settings: amp_core_framework_configs.ImportedSettings,
+        optimizers: Any,
+        process_group: Any,
+    ) -> GradScaler:
+        config = settings.config
+        if not isinstance(config, amp_core.DynamicLossScale):
+            return cls(config.loss_scale, optimizers=optimizers, process_group=process_group)
+        return cls(
+            "dynamic",
+            init_scale=config.init_scale,
+            steps_per_increase=config.steps_per_increase,
+            min_loss_scale=config.min_loss_scale,
+            max_loss_scale=config.max_loss_scale,
+            overflow_tolerance=config.overflow_tolerance,
+            max_gradient_norm=config.max_gradient_norm,
+            optimizers=optimizers,
+            process_group=process_group,
+            stall_steps=config.stall_steps,
+            raise_on_stall=settings.raise_on_stall,
+            hysteresis=config.hysteresis,
+            consecutive_hysteresis=config.consecutive_hysteresis,
+            growth_interval=config.growth_interval,
+        )
+
     @host_side
     def state_dict(self, destination: dict[str, Any] | None = None) -> dict[str, Any]:
         """Returns the real scaler state for a checkpoint (a host synchronisation).
 
         DLS: ``loss_scale`` (float32 tensor), ``steps_since_rescale``,
         ``overflows_since_rescale``, ``num_skipped_steps`` and ``overflows_at_min_scale``
-        (int64 tensors). Static: ``loss_scale``. Unlike the reference off Cerebras hardware,
-        never ``{}``. In a distributed job it is the same on every rank.
+        (int64 tensors), and with ``hysteresis > 1`` ``absorbed_overflows``. Static:
+        ``loss_scale``. Unlike the reference off Cerebras hardware, never ``{}``. In a
+        distributed job it is the same on every rank.
 
         Args:
             destination: a dict to fill and return instead of a new one.
@@ -177,7 +308,8 @@ class GradScaler:
         """Loads the keys present in ``state_dict``; absent keys keep their values.
 
         Values may be tensors or numbers. Must be called between iterations. Checkpoints
-        written before ``overflows_at_min_scale`` existed load too, and so do
+        written before ``overflows_at_min_scale`` or ``absorbed_overflows`` existed load too
+        (with no stall counted, every strike left), and so do
         ``torch.amp.GradScaler`` checkpoints: their scale is taken over, with a warning naming
         what is not (see :mod:`~torch_facade.amp._torch_checkpoint`).
 

@@ -2,7 +2,7 @@
 
 A decision's core takes the state packed into one array and returns the next state packed the
 same way followed by the step's scalars (:class:`Slot` says where each number sits): one
-argument and one result instead of a pytree of eight arrays each way, since each JAX array a
+argument and one result instead of a pytree of nine arrays each way, since each JAX array a
 call takes or makes costs host time (the call checks it, creates it, later frees it).
 """
 
@@ -38,15 +38,16 @@ class Slot(enum.IntEnum):
     ISFINITE = 5
     GLOBAL_NORM = 6
     OVERFLOWS_AT_MIN_SCALE = 7
+    ABSORBED_OVERFLOWS = 8
     # The step's scalars.
-    MULTIPLIER = 8  # what this step's gradients are multiplied by
-    GRAD_SCALE = 9  # 1 / MULTIPLIER, for fused optimizers
-    FOUND_INF = 10  # 1.0 on overflow, for fused optimizers
-    NEXT_LOSS_SCALE = 11  # the next state's loss scale
-    UNSCALE = 12  # 1 / loss_scale of the state that scaled these gradients
-    STALL_COUNT = 13  # the next state's overflows_at_min_scale
-    CONSISTENT = 14  # 1.0 unless the ranks disagreed on the loss scale (distributed)
-    CLIP_MULTIPLIER = 15  # the multiplier for gradients unscaled already (GCC's clip)
+    MULTIPLIER = 9  # what this step's gradients are multiplied by
+    GRAD_SCALE = 10  # 1 / MULTIPLIER, for fused optimizers
+    FOUND_INF = 11  # 1.0 on overflow, for fused optimizers
+    NEXT_LOSS_SCALE = 12  # the next state's loss scale
+    UNSCALE = 13  # 1 / loss_scale of the state that scaled these gradients
+    STALL_COUNT = 14  # the next state's overflows_at_min_scale
+    CONSISTENT = 15  # 1.0 unless the ranks disagreed on the loss scale (distributed)
+    CLIP_MULTIPLIER = 16  # the multiplier for gradients unscaled already (GCC's clip)
 
 
 STATE_SIZE = Slot.MULTIPLIER.value

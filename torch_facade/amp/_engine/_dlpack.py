@@ -112,6 +112,13 @@ def on_host(state: amp_core.LossScaleState) -> amp_core.LossScaleState:
 
 
 def host_state(leaves: Any) -> amp_core.LossScaleState:
-    """A state of writable NumPy copies of ``leaves`` (host values, in the state's order)."""
+    """A state of writable NumPy copies of ``leaves`` (host values, in the state's order).
+
+    Eight leaves (a state pickled before ``absorbed_overflows`` existed) are completed with a
+    zero, the value a new scaler starts from.
+    """
     # NumPy leaves stand in for jax.Array: every amp_core function accepts them.
-    return amp_core.LossScaleState(*(cast(jax.Array, np.array(leaf)) for leaf in leaves))
+    given = [np.array(leaf) for leaf in leaves]
+    missing = len(amp_core.LossScaleState._fields) - len(given)
+    given += [np.zeros((), np.int32) for _ in range(missing)]
+    return amp_core.LossScaleState(*(cast(jax.Array, leaf) for leaf in given))
