@@ -222,3 +222,31 @@ def test_a_planted_bad_batch_hurts_the_default_run_and_not_the_spike_skipping_on
     assert default["after10"] > 2 * skipping["after10"]  # 0.173 and 0.060 on 7 Dec 2026
     assert (default["spike_skips"], skipping["spike_skips"]) == (0, 1)
     assert default["overflow_skips"] == skipping["overflow_skips"] == 0
+
+
+def test_flax_nnx_counts_only_applied_steps_and_takes_the_loss_through_update():
+    from flax import nnx
+
+    from amp_core.flax_nnx import LossScaledOptimizer
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    config = amp_core.DynamicLossScale(
+        init_scale=2.0**10, spike_skip=amp_core.SpikeSkip(metric="loss", window=4, sigma=3.0)
+    )
+    optimizer = LossScaledOptimizer(model, optax.sgd(0.01), config, wrt=nnx.Param)
+    x = jnp.ones((4, 2))
+
+    def step(y):
+        def loss_fn(m):
+            return jnp.mean((m(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(lambda m: optimizer.scale_loss(loss_fn(m)))(model)
+        return optimizer.update(model, grads, loss=loss / optimizer.scaler.loss_scale)
+
+    for i in range(6):
+        assert bool(step(jnp.full((4, 1), 1.0 + 0.05 * i)))
+    kernel = np.array(model.kernel[...])
+    assert not bool(step(jnp.full((4, 1), 300.0)))  # a loss ~10**5 times the usual
+    np.testing.assert_array_equal(np.array(model.kernel[...]), kernel)
+    assert int(optimizer.step[...]) == 6
+    assert amp_core.scaler_metrics(optimizer)["num_spike_skips"] == 1
