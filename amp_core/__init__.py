@@ -50,6 +50,14 @@ from amp_core.scaling import (
     unscale_and_check,
     update,
 )
+from amp_core.spike_skip import (
+    SPIKE_METRICS,
+    SpikeSkip,
+    SpikeState,
+    check_spike,
+    init_spikes,
+    spike_threshold,
+)
 from amp_core.state import (
     LossScaleState,
     from_state_dict,
@@ -62,6 +70,7 @@ from amp_core.transforms import (
     LossScaledState,
     apply_scaled_gradients,
     loss_scale_state,
+    spike_state,
     step_applied,
     value_and_grad,
     with_loss_scaling,
@@ -72,6 +81,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CLIP_EPSILON",
+    "SPIKE_METRICS",
     "UNBOUNDED_LOSS_SCALE",
     "DynamicLossScale",
     "GradCheck",
@@ -80,12 +90,15 @@ __all__ = [
     "LossScaleConfig",
     "LossScaleState",
     "LossScaledState",
+    "SpikeSkip",
+    "SpikeState",
     "StaticLossScale",
     "StepResult",
     "apply_multiplier",
     "apply_scaled_gradients",
     "check_and_update",
     "check_grads",
+    "check_spike",
     "check_sum_and_update",
     "check_sum_of_squares",
     "clip_coefficient",
@@ -99,6 +112,7 @@ __all__ = [
     "gradient_range_totals",
     "init",
     "init_on_host",
+    "init_spikes",
     "inverse_scale",
     "is_stalled",
     "loss_scale_state",
@@ -108,6 +122,8 @@ __all__ = [
     "scale_loss",
     "scaler_metrics",
     "select_if_finite",
+    "spike_state",
+    "spike_threshold",
     "state_dict_keys",
     "step_applied",
     "suggested_loss_scale",

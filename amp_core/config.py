@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from amp_core.spike_skip import SpikeSkip
 from hardware.half_dtypes import (
     DEFAULT_HALF_DTYPE,
     MIN_LOSS_SCALE_FLOOR,
@@ -101,6 +102,8 @@ class DynamicLossScale:
             ``loss_scale_window + 1`` finite steps, then every ``loss_scale_window``). From
             ``1`` to ``steps_per_increase + 1``; other than the default, it needs
             ``overflow_tolerance=0``.
+        spike_skip: skip steps whose gradient norm (or loss) is far above its recent values
+            (:class:`amp_core.SpikeSkip`); ``None`` (the default) never does.
 
     Example:
         >>> import amp_core
@@ -120,6 +123,7 @@ class DynamicLossScale:
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
     growth_interval: int | None = None
+    spike_skip: SpikeSkip | None = None
 
     def __post_init__(self) -> None:
         half = canonical_half_dtype(self.half_dtype, argument="half_dtype")
@@ -148,6 +152,11 @@ class DynamicLossScale:
         resolved["stall_steps"] = _positive_int(
             "stall_steps", _default(self.stall_steps, resolved["steps_per_increase"])
         )
+        if self.spike_skip is not None and not isinstance(self.spike_skip, SpikeSkip):
+            raise TypeError(
+                "spike_skip must be an amp_core.SpikeSkip or None; got "
+                f"{type(self.spike_skip).__name__}"
+            )
         resolved.update(
             _hysteresis_settings(
                 self.hysteresis,
@@ -262,6 +271,7 @@ def make_config(
     hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
     growth_interval: int | None = None,
+    spike_skip: SpikeSkip | None = None,
 ) -> LossScaleConfig:
     """Builds a configuration from the ``cstorch.amp.GradScaler`` constructor arguments.
 
@@ -282,6 +292,7 @@ def make_config(
         hysteresis: see :class:`DynamicLossScale`.
         consecutive_hysteresis: see :class:`DynamicLossScale`.
         growth_interval: see :class:`DynamicLossScale`.
+        spike_skip: see :class:`DynamicLossScale` (dynamic scaling only).
 
     Returns:
         The validated configuration.
@@ -315,8 +326,15 @@ def make_config(
             hysteresis=hysteresis,
             consecutive_hysteresis=consecutive_hysteresis,
             growth_interval=growth_interval,
+            spike_skip=spike_skip,
         )
     canonical_half_dtype(half_dtype, argument="half_dtype")
+    if spike_skip is not None:
+        raise ValueError(
+            'spike_skip needs loss_scale="dynamic": a static loss scale never reads the '
+            "gradients (for a fixed scale that skips, pin a dynamic one: init_scale = "
+            "min_loss_scale = max_loss_scale)"
+        )
     # Ignored by static scaling, as the other dynamic-only arguments; still checked, so that a
     # mistyped value is not carried silently.
     _hysteresis_settings(

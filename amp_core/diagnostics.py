@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from amp_core.scaling import apply_multiplier, sum_of_unscaled_squares
-from amp_core.transforms import loss_scale_state
+from amp_core.state import LossScaleState
+from amp_core.transforms import loss_scale_state, spike_state
 from hardware import FloatFormat, get_format
 
 METRIC_NAMES = ("loss_scale", "num_skipped_steps", "global_norm", "isfinite")
@@ -86,7 +87,7 @@ def scaler_metrics(source: Any, *, as_arrays: bool = False) -> dict[str, Any]:
 
     ``loss_scale`` (the scale the next step will use), ``num_skipped_steps``, ``global_norm``
     (of the last step's unscaled gradients) and ``isfinite`` (whether the last step was
-    applied), from any state :func:`amp_core.loss_scale_state` reads: a
+    applied), and ``num_spike_skips`` when the state skips spikes (:class:`amp_core.SpikeSkip`), from any state :func:`amp_core.loss_scale_state` reads: a
     :class:`~amp_core.LossScaleState`, the state of :func:`amp_core.with_loss_scaling` or a tree
     that nests it, an ``nnx.Optimizer``, :class:`amp_core.flax_nnx.LossScaledOptimizer`,
     a linen ``TrainState``, a tree restored without a target.
@@ -112,6 +113,9 @@ def scaler_metrics(source: Any, *, as_arrays: bool = False) -> dict[str, Any]:
     """
     state = loss_scale_state(source)
     values = {name: getattr(state, name) for name in METRIC_NAMES}
+    spikes = None if isinstance(source, LossScaleState) else spike_state(source)
+    if spikes is not None:
+        values["num_spike_skips"] = spikes.num_spike_skips
     if as_arrays:
         return values
     host = jax.device_get(values)  # one transfer, not one per number
@@ -120,12 +124,15 @@ def scaler_metrics(source: Any, *, as_arrays: bool = False) -> dict[str, Any]:
             "scaler_metrics(source) reads the numbers on the host, which it cannot do inside "
             "jax.jit (the scaler holds tracers); there, pass as_arrays=True"
         )
-    return {
+    metrics: dict[str, Any] = {
         "loss_scale": float(host["loss_scale"]),
         "num_skipped_steps": int(host["num_skipped_steps"]),
         "global_norm": float(host["global_norm"]),
         "isfinite": bool(host["isfinite"]),
     }
+    if "num_spike_skips" in host:
+        metrics["num_spike_skips"] = int(host["num_spike_skips"])
+    return metrics
 
 
 class GradientRange(NamedTuple):

@@ -32,6 +32,7 @@ from amp_core.scaling import (
     scale_loss,
 )
 from amp_core.select_where_defined import update_or_keep
+from amp_core.spike_skip import SpikeState, check_spike, init_spikes
 from amp_core.state import LossScaleState, init
 
 
@@ -43,19 +44,21 @@ class LossScaledState(NamedTuple):
             that no name is taken twice: ``optax.tree_utils.tree_get(opt_state,
             "loss_scale")`` finds the current scale.
         inner_state: the wrapped transformation's state.
+        spikes: the window of :class:`amp_core.SpikeSkip` (``None`` without spike skipping).
 
     Example:
         >>> import amp_core, jax.numpy as jnp, optax
         >>> tx = amp_core.with_loss_scaling(optax.sgd(0.1), amp_core.DynamicLossScale())
         >>> opt_state = tx.init({"w": jnp.zeros(2)})
         >>> type(opt_state).__name__, opt_state._fields
-        ('LossScaledState', ('scaler', 'inner_state'))
+        ('LossScaledState', ('scaler', 'inner_state', 'spikes'))
         >>> float(optax.tree_utils.tree_get(opt_state, "loss_scale"))
         32768.0
     """
 
     scaler: LossScaleState
     inner_state: optax.OptState
+    spikes: SpikeState | None = None
 
 
 def with_loss_scaling(
@@ -181,7 +184,9 @@ def _loss_scaled(
         if not inside_multi_steps:
             refuse_inside_multi_steps()
             warn_if_chained_after_others()
-        return LossScaledState(scaler=init(config), inner_state=inner.init(params))
+        spike_skip = getattr(config, "spike_skip", None)
+        spikes = None if spike_skip is None else init_spikes(spike_skip)
+        return LossScaledState(init(config), inner.init(params), spikes)
 
     def update_fn(
         updates: optax.Updates,
@@ -212,6 +217,14 @@ def _accumulating(
             "should_skip_update_fn would drop overflowed micro-batches before the loss scaler "
             "sees them, and the scale would never come down; build the MultiSteps without "
             "should_skip_update_fn"
+        )
+    spike_skip = getattr(config, "spike_skip", None)
+    if spike_skip is not None and spike_skip.metric == "loss":
+        raise ValueError(
+            'SpikeSkip(metric="loss") cannot watch an accumulated step through optax.MultiSteps: '
+            'each update call sees one micro-batch\'s loss. Use metric="grad_norm" (the norm of '
+            "the accumulated gradients), or sum the micro-batches in the step and pass their "
+            "mean loss to with_loss_scaling(inner, config).update(..., loss=loss)"
         )
     scaled = _loss_scaled(multi_steps.inner_opt, config, inside_multi_steps=True)
     # The same MultiSteps (schedule, mean or sum, accumulator dtype) over the loss-scaled inner.
@@ -269,11 +282,50 @@ def step_applied(opt_state: Any) -> jax.Array:
         tree = opt_state.opt_state
     applied = loss_scale_state(tree).isfinite
     nodes = jax.tree_util.tree_leaves(tree, is_leaf=_is_multi_steps_state)
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_loss_scaled_state):
+        if isinstance(node, LossScaledState) and node.spikes is not None:
+            spiked = _plain_field("spiked", node.spikes.spiked)
+            applied = jnp.logical_and(applied, jnp.logical_not(spiked))
     for node in nodes:
         if isinstance(node, optax.MultiStepsState):
             mini_step = _plain_field("mini_step", node.mini_step)
             applied = jnp.logical_and(applied, mini_step == 0)
     return applied
+
+
+def _is_loss_scaled_state(node: Any) -> bool:
+    return isinstance(node, LossScaledState)
+
+
+def spike_state(source: Any) -> SpikeState | None:
+    """The :class:`amp_core.SpikeState` in an optimizer state (``None`` without spike skipping).
+
+    ``source`` as for :func:`loss_scale_state`: the state of :func:`with_loss_scaling`, a tree
+    that nests it, or an object with an ``opt_state``. Jittable.
+
+    Example:
+        >>> import amp_core, jax.numpy as jnp, optax
+        >>> cfg = amp_core.DynamicLossScale(spike_skip=amp_core.SpikeSkip(window=8))
+        >>> state = amp_core.with_loss_scaling(optax.sgd(0.1), cfg).init(jnp.zeros(2))
+        >>> int(amp_core.spike_state(state).num_spike_skips)
+        0
+    """
+    tree = source
+    if not isinstance(source, (tuple, list, Mapping)) and hasattr(source, "opt_state"):
+        tree = source.opt_state
+    found = [
+        node.spikes
+        for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_loss_scaled_state)
+        if isinstance(node, LossScaledState) and node.spikes is not None
+    ]
+    if len(found) > 1:
+        raise ValueError(f"the state holds {len(found)} spike windows; expected at most one")
+    if not found:
+        return None
+    spikes = found[0]
+    return SpikeState(
+        *(_plain_field(n, v) for n, v in zip(SpikeState._fields, spikes, strict=True))
+    )
 
 
 def _is_multi_steps_state(node: Any) -> bool:
@@ -298,6 +350,24 @@ def _scaled_update(
     """
     check = check_and_update_in_step(config, state.scaler, grads)
     unscaled = apply_multiplier(grads, check.multiplier)
+    loss = extra_args.get("loss")
+    extra_args = {k: v for k, v in extra_args.items() if k != "loss"}
+    applied, next_scaler, spikes = check.isfinite, check.next_state, state.spikes
+    spike_skip = getattr(config, "spike_skip", None)
+    if spike_skip is not None:
+        if not isinstance(spikes, SpikeState):
+            raise TypeError(
+                "the state has no spike window: make it with the init of a transformation "
+                "whose config has spike_skip"
+            )
+        metric = check.global_norm if spike_skip.metric == "grad_norm" else _loss(loss)
+        spike, spikes = check_spike(spike_skip, spikes, metric, check.isfinite)
+        applied = jnp.logical_and(check.isfinite, jnp.logical_not(spike))
+        # A spike is not an overflow: the scale and its counters stay as they were.
+        kept = state.scaler._replace(isfinite=check.isfinite, global_norm=check.global_norm)
+        next_scaler = jax.tree_util.tree_map(
+            lambda old, new: jnp.where(spike, old, new), kept, check.next_state
+        )
 
     def inner_update(
         grads: optax.Updates, inner_state: optax.OptState
@@ -306,11 +376,23 @@ def _scaled_update(
 
     if config.is_dynamic:
         new_updates, inner_state = update_or_keep(
-            inner_update, check.isfinite, unscaled, state.inner_state
+            inner_update, applied, unscaled, state.inner_state
         )
     else:  # static scaling never skips
         new_updates, inner_state = inner_update(unscaled, state.inner_state)
-    return new_updates, LossScaledState(check.next_state, inner_state)
+    return new_updates, LossScaledState(next_scaler, inner_state, spikes)
+
+
+def _loss(loss: Any) -> jax.Array:
+    if loss is None:
+        raise TypeError(
+            'SpikeSkip(metric="loss") needs the step\'s loss: pass it to the update, '
+            "tx.update(grads, opt_state, params, loss=loss) (the unscaled loss)"
+        )
+    value = jnp.asarray(loss, jnp.float32)
+    if value.shape != ():
+        raise ValueError(f"loss must be a 0-d (scalar) value; got shape {value.shape}")
+    return value
 
 
 def apply_scaled_gradients(
@@ -319,6 +401,8 @@ def apply_scaled_gradients(
     grads: optax.Updates,
     opt_state: LossScaledState,
     params: optax.Params,
+    *,
+    loss: jax.typing.ArrayLike | None = None,
 ) -> tuple[optax.Params, LossScaledState]:
     """One whole optimizer step from gradients of the scaled loss.
 
@@ -341,6 +425,7 @@ def apply_scaled_gradients(
             activation functions and other non-array leaves, as ``eqx.filter_grad`` and
             :func:`value_and_grad` give them) pass through unchanged, as with
             ``eqx.apply_updates``; the inner optimizer sees the parameters that have gradients.
+        loss: the step's unscaled loss, for ``SpikeSkip(metric="loss")`` (else unused).
 
     Returns:
         ``(new_params, new_opt_state)``.
@@ -374,7 +459,8 @@ def apply_scaled_gradients(
         )
     _check_opt_state("opt_state", opt_state)
     with_grads = _params_with_gradients(grads, params)
-    updates, state = _scaled_update(inner, config, grads, opt_state, with_grads, {})
+    extra = {} if loss is None else {"loss": loss}
+    updates, state = _scaled_update(inner, config, grads, opt_state, with_grads, extra)
     return _merge_params(optax.apply_updates(with_grads, updates), params), state
 
 
