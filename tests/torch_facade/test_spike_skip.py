@@ -12,11 +12,14 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _ranks import start_ranks, wait_for_ranks
 from facade_helpers import INF, TinyNet, assert_tensors_equal, deep_equal, loss_of
 
 import amp_core
@@ -264,3 +267,36 @@ def test_the_loss_metric_watches_the_sum_of_the_iterations_unscaled_losses():
     # The window holds the applied steps' losses (ring slot applied % 3): 1.0, 1.05, 0.8.
     assert window.tolist() == pytest.approx([1.0, 1.05, 0.8])
     assert int(scaler.get_num_spike_skips()) == 2
+
+
+WORKER = Path(__file__).with_name("_spike_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """Both ranks' results of the 2-process DDP job (``_spike_worker.py``)."""
+    out = tmp_path_factory.mktemp("spike_ddp")
+    procs = start_ranks(WORKER, out, 2)
+    wait_for_ranks(procs, out, time.monotonic() + 300)  # a loaded machine: margin
+    return [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("metric", ["grad_norm", "loss"])
+def test_ddp_ranks_take_the_one_process_decisions(ddp_runs, metric):
+    """A bad batch on rank 1 alone is skipped on both ranks, as on the full batch in one
+    process (the norm is global; the loss is averaged over the ranks in the collective)."""
+    from _spike_worker import BAD_STEP, STEPS, run
+
+    oracle = run(metric, None, 1)
+    rank0, rank1 = (runs[metric] for runs in ddp_runs)
+    applied = [[ok for ok, _, _ in r["steps"]] for r in (oracle, rank0, rank1)]
+    assert applied[0] == applied[1] == applied[2]
+    assert applied[0] == [step != BAD_STEP for step in range(STEPS)]
+    assert rank0["steps"][-1][2] == rank1["steps"][-1][2] == 1
+    assert deep_equal(rank0["state"], rank1["state"])  # the same window, bit for bit
+    assert_tensors_equal(rank0["params"], rank1["params"])
+    for ours, expected in zip(rank0["params"], oracle["params"], strict=True):
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        rank0["state"]["spike_window"], oracle["state"]["spike_window"], rtol=1e-5, atol=1e-6
+    )
