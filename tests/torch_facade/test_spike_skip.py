@@ -300,3 +300,57 @@ def test_ddp_ranks_take_the_one_process_decisions(ddp_runs, metric):
     torch.testing.assert_close(
         rank0["state"]["spike_window"], oracle["state"]["spike_window"], rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("metric", ["grad_norm", "loss"])
+def test_a_compiled_train_step_skips_the_same_spike_as_eager(metric):
+    """The whole train step under ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd, no
+    generated kernels, so the arithmetic is eager's): the same decisions, the same parameters
+    bit for bit, and no recompilation after the first two steps although a spike is skipped."""
+    import torch._dynamo
+    from test_compile import CountingBackend
+
+    bad_step, steps = 7, 10
+
+    def train(compiled: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = cstorch.amp.GradScaler(
+            **DLS,
+            optimizers=[opt],
+            spike_skip=cstorch.amp.SpikeSkip(metric=metric, window=4, sigma=3.0),
+        )
+
+        def step(x, y, factor):
+            opt.zero_grad()
+            loss = factor * torch.nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss
+
+        backend = CountingBackend("aot_eager")
+        if compiled:
+            torch._dynamo.reset()
+            step = torch.compile(step, backend=backend)
+        generator = torch.Generator().manual_seed(3)
+        flags, compiles_at_warm_up = [], 0
+        for index in range(steps):
+            x = torch.randn(4, 8, generator=generator)
+            y = torch.randn(4, 4, generator=generator)
+            factor = torch.tensor(300.0 if index == bad_step else 1.0)
+            if index == 2:
+                compiles_at_warm_up = backend.compiles
+            with torch._dynamo.config.patch(error_on_recompile=index >= 2):
+                step(x, y, factor)
+            flags.append(bool(scaler.get_isfinite()))
+        params = [p.detach().clone() for p in model.parameters()]
+        return flags, params, scaler, (compiles_at_warm_up, backend.compiles)
+
+    eager_flags, eager_params, _, _ = train(compiled=False)
+    flags, params, scaler, (at_warm_up, compiles) = train(compiled=True)
+    assert flags == eager_flags == [index != bad_step for index in range(steps)]
+    assert_tensors_equal(eager_params, params)
+    assert int(scaler.get_num_spike_skips()) == 1
+    assert compiles == at_warm_up > 0  # compiled graphs, none after the warm-up
