@@ -354,3 +354,16 @@ def test_a_compiled_train_step_skips_the_same_spike_as_eager(metric):
     assert_tensors_equal(eager_params, params)
     assert int(scaler.get_num_spike_skips()) == 1
     assert compiles == at_warm_up > 0  # compiled graphs, none after the warm-up
+
+
+def test_a_planted_bad_batch_hurts_the_default_run_and_not_the_spike_skipping_one():
+    """A 52-step version of tests/torch_facade/spike_skip_demo.py (docs/pytorch/spike-skip.md)."""
+    from spike_skip_demo import train
+
+    default = train(None, steps=52, bad_step=40, factor=300.0)
+    skipping = train(cstorch.amp.SpikeSkip(window=16), steps=52, bad_step=40, factor=300.0)
+    assert default["before"] == skipping["before"]  # the same run up to the bad step
+    assert skipping["after"] == skipping["before"]  # skipped: the parameters did not move
+    assert default["after10"] > 2 * skipping["after10"]  # 0.071 and 0.016 on 7 Dec 2026
+    assert (default["spike_skips"], skipping["spike_skips"]) == (0, 1)
+    assert default["overflow_skips"] == skipping["overflow_skips"] == 0
