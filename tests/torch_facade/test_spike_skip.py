@@ -367,3 +367,42 @@ def test_a_planted_bad_batch_hurts_the_default_run_and_not_the_spike_skipping_on
     assert default["after10"] > 2 * skipping["after10"]  # 0.071 and 0.016 on 7 Dec 2026
     assert (default["spike_skips"], skipping["spike_skips"]) == (0, 1)
     assert default["overflow_skips"] == skipping["overflow_skips"] == 0
+
+
+def test_a_spike_is_not_counted_as_skipped_when_a_known_optimizer_does_not_step():
+    """The recount for optimizers that did not step (amp_core.recount_skipped_steps) counts
+    overflows only: a spike leaves num_skipped_steps alone there too."""
+    first, second = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
+    opt1 = torch.optim.SGD(first.parameters(), lr=0.0)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.0)
+    scaler = cstorch.amp.GradScaler(
+        **DLS, optimizers=[opt1, opt2], spike_skip=cstorch.amp.SpikeSkip(window=4)
+    )
+    for x in [1.0, 1.1, 0.9, 1.0, 300.0, INF]:
+        opt1.zero_grad()
+        opt2.zero_grad()
+        inputs = torch.full((1, 2), x)
+        scaler.scale(first(inputs).sum() + second(torch.ones(1, 2)).sum()).backward()
+        scaler.step(opt1)  # opt2 is known but not stepped
+        scaler.update()
+        if x == 300.0:
+            assert not bool(scaler.get_isfinite())
+            assert int(scaler.get_num_skipped_steps()) == 0
+            assert int(scaler.get_num_spike_skips()) == 1
+    assert int(scaler.get_num_skipped_steps()) == 1  # the overflow, stepped by one optimizer
+
+
+def test_update_if_finite_restores_its_tensor_after_a_spike():
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = cstorch.amp.GradScaler(**DLS, spike_skip=cstorch.amp.SpikeSkip(window=4))
+    counter = torch.zeros(())
+    for x in [1.0, 1.1, 0.9, 1.0, 300.0, 1.0]:
+        optimizer.zero_grad()
+        scaler.scale(model(torch.full((1, 2), x)).sum()).backward()
+        scaler.step(optimizer)
+        cstorch.amp.update_if_finite(optimizer, counter)  # restored if the step is skipped
+        counter += 1  # so it counts applied steps only
+        scaler.update()
+        assert bool(cstorch.amp.isfinite(optimizer)) == (x != 300.0)
+    assert float(counter) == 5.0

@@ -66,8 +66,9 @@ def _finish_with_spikes(
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`_finish`, then :func:`amp_core.check_spike` on the norm (or the loss).
 
-    A spike is skipped as an overflow is (``FOUND_INF`` is 1, the state's ``isfinite`` 0: the
-    step was not applied) but it is not one: the scale and its counters stay as they were.
+    A spike is skipped as an overflow is (``FOUND_INF`` is 1: the optimizers do not step) but it
+    is not one: the scale and its counters stay as they were, and the state's ``isfinite`` says
+    that the gradients were finite, as in the JAX door (the window's ``spiked`` says the rest).
     Returns the next carry and the next packed spike window.
     """
     spike_skip = config.spike_skip
@@ -77,8 +78,7 @@ def _finish_with_spikes(
     spike, window = amp_core.check_spike(
         spike_skip, _spikes.unpack(spikes), metric, next_state.isfinite
     )
-    applied = jnp.logical_and(next_state.isfinite, jnp.logical_not(spike))
-    kept = state._replace(isfinite=applied, global_norm=next_state.global_norm)
+    kept = state._replace(isfinite=next_state.isfinite, global_norm=next_state.global_norm)
     next_state = jax.tree_util.tree_map(
         lambda old, new: jnp.where(spike, old, new), kept, next_state
     )

@@ -156,10 +156,14 @@ class ScalerEngine:
         return self.scaled or self.decision is not None
 
     def isfinite(self) -> torch.Tensor:
-        """This iteration's overflow flag once decided, else the last one's (a new tensor)."""
+        """This iteration's skip signal once decided, else the last one's (a new tensor): false
+        on an overflow, and with ``spike_skip`` on a spike."""
         if self.decision is not None:
             return self.decision.isfinite()
-        return self.carry.field(Slot.ISFINITE).clone()
+        finite = self.carry.field(Slot.ISFINITE)
+        if self.spikes is not None:  # a spike's gradients were finite, its step not applied
+            return torch.logical_and(finite, self.spikes.spiked().logical_not())
+        return finite.clone()
 
     def global_norm(self) -> torch.Tensor:
         """This iteration's global norm once decided, else the last one's (a new tensor)."""
