@@ -39,12 +39,14 @@ from torch_facade.amp.precision import (
     set_half_dtype,
 )
 from torch_facade.amp.skip_aware import skip_aware
+from torch_facade.amp.spike_skip import SpikeSkip
 
 __all__ = [
     "GradScaler",
     "GradientRangeReport",
     "LossScaleStalledError",
     "OverflowReport",
+    "SpikeSkip",
     "autocast",
     "cast_to_cbfloat16",
     "cbfloat16_numerics",

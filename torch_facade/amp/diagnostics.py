@@ -107,7 +107,9 @@ def scaler_metrics(scaler: _Readable, *, as_tensors: bool = False) -> dict[str, 
     """The scaler's numbers for a logger, under the names the Cerebras modelzoo logs.
 
     ``loss_scale``, ``num_skipped_steps``, ``global_norm`` (of the last step's unscaled
-    gradients) and ``isfinite`` (whether the last step was applied), read after ``update()``.
+    gradients) and ``isfinite`` (whether the last step was applied), read after ``update()``;
+    with ``spike_skip`` (:class:`cstorch.amp.SpikeSkip <amp_core.SpikeSkip>`), also
+    ``num_spike_skips``.
 
     Args:
         scaler: the :class:`GradScaler`.
@@ -129,6 +131,9 @@ def scaler_metrics(scaler: _Readable, *, as_tensors: bool = False) -> dict[str, 
         "global_norm": scaler.get_global_norm(),
         "isfinite": scaler.get_isfinite(),
     }
+    config = getattr(scaler, "config", None)
+    if getattr(config, "spike_skip", None) is not None:
+        values["num_spike_skips"] = scaler.get_num_spike_skips()  # type: ignore[attr-defined]
     if as_tensors:
         return values
     return {key: value.item() for key, value in values.items()}

@@ -18,7 +18,7 @@ import amp_core
 from amp_core import framework_configs as amp_core_framework_configs
 from torch_facade.amp import _caller, _torch_checkpoint
 from torch_facade.amp._arguments import check_optimizer, optimizer_list
-from torch_facade.amp._engine import ScalerEngine, Slot
+from torch_facade.amp._engine import SPIKE_STATE_KEYS, ScalerEngine, Slot
 from torch_facade.amp._host_side import host_side
 from torch_facade.amp.diagnostics import LossScaleStalledError, OverflowReport
 from torch_facade.amp.precision import get_half_dtype_str
@@ -93,6 +93,12 @@ class GradScaler:
         consecutive_hysteresis: also forgive them at every finite step (DeepSpeed's option).
         growth_interval: steps from one growth to the next with no overflow between (default
             ``steps_per_increase + 1``; DeepSpeed's rule is ``steps_per_increase``).
+        spike_skip: with DLS, a :class:`cstorch.amp.SpikeSkip <amp_core.SpikeSkip>`: also skip a
+            finite step whose global gradient norm (or loss) exceeds ``mean + sigma * std`` of
+            the last ``window`` applied steps, decided in the overflow check's jitted call with
+            no host synchronisation; a spike leaves the loss scale and its counters alone and is
+            counted by :meth:`get_num_spike_skips` (docs: pytorch/spike-skip.md). ``None`` (the
+            default): no spike skipping.
 
     Raises:
         ValueError: invalid values (SPEC section 1).
@@ -130,6 +136,7 @@ class GradScaler:
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
         growth_interval: int | None = None,
+        spike_skip: amp_core.SpikeSkip | None = None,
     ) -> None:
         self._config = amp_core.make_config(
             loss_scale,
@@ -144,6 +151,7 @@ class GradScaler:
             hysteresis=hysteresis,
             consecutive_hysteresis=consecutive_hysteresis,
             growth_interval=growth_interval,
+            spike_skip=spike_skip,
         )
         if not isinstance(raise_on_stall, bool):
             raise TypeError(f"raise_on_stall must be a bool; got {raise_on_stall!r}")
@@ -284,7 +292,9 @@ class GradScaler:
         ``overflows_since_rescale``, ``num_skipped_steps`` and ``overflows_at_min_scale``
         (int64 tensors), and with ``hysteresis > 1`` ``absorbed_overflows``. Static:
         ``loss_scale``. Unlike the reference off Cerebras hardware, never ``{}``. In a
-        distributed job it is the same on every rank.
+        distributed job it is the same on every rank. With ``spike_skip``, also the rolling
+        window: ``spike_window`` (float32, ``window`` values), ``spike_applied`` and
+        ``num_spike_skips`` (int64), so that a resumed run takes the same decisions.
 
         Args:
             destination: a dict to fill and return instead of a new one.
@@ -301,6 +311,8 @@ class GradScaler:
         for key, value in amp_core.to_state_dict(self._config, self._engine.state).items():
             dtype = torch.float32 if key == "loss_scale" else torch.int64
             result[key] = torch.tensor(value, dtype=dtype)
+        if self._engine.spikes is not None:
+            result.update(self._engine.spikes.state_dict())
         return result
 
     @host_side
@@ -330,6 +342,10 @@ class GradScaler:
                 "load_state_dict() must be called between iterations (after update()), not "
                 "between scale() and update(): the gradients were scaled with the old scale"
             )
+        spikes = self._engine.spikes
+        if spikes is not None and isinstance(state_dict, Mapping):
+            spikes.load(state_dict)  # checked before anything is loaded: raises on a bad window
+            state_dict = {k: v for k, v in state_dict.items() if k not in SPIKE_STATE_KEYS}
         self._engine.load(_torch_checkpoint.to_facade_format(state_dict, self._config))
 
     def _busy(self) -> bool:
@@ -355,13 +371,17 @@ class GradScaler:
             "state": engine.host_state(),
             "raise_on_stall": engine.raise_on_stall,
             "warned_dtype": engine.warned_dtype,
+            "spikes": None if engine.spikes is None else engine.spikes.host(),
         }
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self._config = pickled["config"]
         # On the host, until the next decision places it (as after construction).
         self._engine = ScalerEngine(
-            self._config, raise_on_stall=pickled["raise_on_stall"], state=pickled["state"]
+            self._config,
+            raise_on_stall=pickled["raise_on_stall"],
+            state=pickled["state"],
+            spikes=pickled.get("spikes"),  # absent from scalers pickled before spike_skip
         )
         self._engine.warned_dtype = pickled["warned_dtype"]
         self._stages = {}
@@ -451,6 +471,30 @@ class GradScaler:
             tensor(1)
         """
         return self._engine.field(Slot.NUM_SKIPPED_STEPS).to(torch.int64)
+
+    @host_side
+    def get_num_spike_skips(self) -> torch.Tensor:
+        """Steps skipped as spikes so far (int64 tensor; 0 without ``spike_skip``).
+
+        Counted apart from :meth:`get_num_skipped_steps` (overflows): a spike is a finite step
+        whose metric was ``sigma`` deviations above the recent mean (see
+        :class:`cstorch.amp.SpikeSkip <amp_core.SpikeSkip>`). No host synchronisation.
+
+        Example:
+            >>> import torch, torch_facade as cstorch
+            >>> model = torch.nn.Linear(2, 1, bias=False)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+            >>> scaler = cstorch.amp.GradScaler(
+            ...     loss_scale="dynamic", spike_skip=cstorch.amp.SpikeSkip(window=4))
+            >>> for x in [1.0, 1.1, 0.9, 1.0, 300.0]:  # the gradient's norm: x * sqrt(2)
+            ...     scaler.scale(model(torch.full((1, 2), x)).sum()).backward()
+            ...     scaler.step(optimizer)
+            ...     scaler.update()
+            ...     optimizer.zero_grad()
+            >>> scaler.get_num_spike_skips(), scaler.get_isfinite(), scaler.get_num_skipped_steps()
+            (tensor(1), tensor(False), tensor(0))
+        """
+        return self._engine.num_spike_skips()
 
     @host_side
     def get_isfinite(self) -> torch.Tensor:

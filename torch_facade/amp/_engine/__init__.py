@@ -12,8 +12,10 @@ from torch_facade.amp._engine._carry import Slot
 from torch_facade.amp._engine._decision import params_of
 from torch_facade.amp._engine._dlpack import import_tensors
 from torch_facade.amp._engine._scaler_engine import ScalerEngine, engine_of, local_gradient, mark
+from torch_facade.amp._engine._spikes import STATE_KEYS as SPIKE_STATE_KEYS
 
 __all__ = [
+    "SPIKE_STATE_KEYS",
     "ScalerEngine",
     "Slot",
     "engine_of",

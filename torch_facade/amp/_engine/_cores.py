@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import amp_core
-from torch_facade.amp._engine import _core_cache
+from torch_facade.amp._engine import _core_cache, _spikes
 from torch_facade.amp._engine._carry import Slot, pack, unpack
 
 
@@ -25,6 +25,17 @@ def _finish(
     optimizer_steps: jax.Array,
     consistent: jax.Array,
 ) -> jax.Array:
+    next_state, scalars = _decide(config, state, sum_of_squares, optimizer_steps, consistent)
+    return pack(next_state, jnp.stack([scalars[slot] for slot in sorted(scalars)]))
+
+
+def _decide(
+    config: amp_core.LossScaleConfig,
+    state: amp_core.LossScaleState,
+    sum_of_squares: jax.Array,
+    optimizer_steps: jax.Array,
+    consistent: jax.Array,
+) -> tuple[amp_core.LossScaleState, dict[Slot, jax.Array]]:
     result = amp_core.check_sum_and_update(
         config, state, sum_of_squares, optimizer_steps=optimizer_steps
     )
@@ -41,7 +52,41 @@ def _finish(
         Slot.CONSISTENT: consistent.astype(jnp.float32),
         Slot.CLIP_MULTIPLIER: clip,
     }
-    return pack(next_state, jnp.stack([scalars[slot] for slot in sorted(scalars)]))
+    return next_state, scalars
+
+
+def _finish_with_spikes(
+    config: amp_core.DynamicLossScale,
+    state: amp_core.LossScaleState,
+    sum_of_squares: jax.Array,
+    optimizer_steps: jax.Array,
+    consistent: jax.Array,
+    spikes: jax.Array,
+    loss: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`_finish`, then :func:`amp_core.check_spike` on the norm (or the loss).
+
+    A spike is skipped as an overflow is (``FOUND_INF`` is 1: the optimizers do not step) but it
+    is not one: the scale and its counters stay as they were, and the state's ``isfinite`` says
+    that the gradients were finite, as in the JAX door (the window's ``spiked`` says the rest).
+    Returns the next carry and the next packed spike window.
+    """
+    spike_skip = config.spike_skip
+    assert spike_skip is not None
+    next_state, scalars = _decide(config, state, sum_of_squares, optimizer_steps, consistent)
+    metric = next_state.global_norm if loss is None else loss
+    spike, window = amp_core.check_spike(
+        spike_skip, _spikes.unpack(spikes), metric, next_state.isfinite
+    )
+    kept = state._replace(isfinite=next_state.isfinite, global_norm=next_state.global_norm)
+    next_state = jax.tree_util.tree_map(
+        lambda old, new: jnp.where(spike, old, new), kept, next_state
+    )
+    scalars[Slot.FOUND_INF] = jnp.where(spike, jnp.float32(1.0), scalars[Slot.FOUND_INF])
+    scalars[Slot.NEXT_LOSS_SCALE] = next_state.loss_scale
+    scalars[Slot.STALL_COUNT] = next_state.overflows_at_min_scale.astype(jnp.float32)
+    carry = pack(next_state, jnp.stack([scalars[slot] for slot in sorted(scalars)]))
+    return carry, _spikes.pack(window)
 
 
 def _local_step(
@@ -57,19 +102,44 @@ def _local_step(
     return _finish(config, state, total, optimizer_steps, jnp.asarray(True))
 
 
+def _local_spike_step(
+    config: amp_core.DynamicLossScale,
+    branch_free: bool,
+    carry: jax.Array,
+    spikes: jax.Array,
+    grads: tuple[jax.Array, ...],
+    optimizer_steps: jax.Array,
+    loss: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    state = unpack(carry)
+    inv = amp_core.inverse_scale(state)
+    total = amp_core.sum_of_unscaled_squares(grads, inv, branch_free=branch_free)
+    return _finish_with_spikes(
+        config, state, total, optimizer_steps, jnp.asarray(True), spikes, _loss(loss)
+    )
+
+
+def _loss(loss: jax.Array | None) -> jax.Array | None:
+    """The iteration's loss as a 0-d float32 (the sum of its elements, as ``scale`` kept it)."""
+    return None if loss is None else jnp.sum(jnp.asarray(loss, jnp.float32))
+
+
 def _partials(
     branch_free: bool,
     carry: jax.Array,
     sharded: tuple[jax.Array, ...],
     replicated: tuple[jax.Array, ...],
+    loss: jax.Array | None = None,
 ) -> jax.Array:
     state = unpack(carry)
     inv = amp_core.inverse_scale(state)
+    extra = [] if loss is None else [jnp.sum(jnp.asarray(loss, jnp.float32))]
     return jnp.stack(
         [
             amp_core.sum_of_unscaled_squares(sharded, inv, branch_free=branch_free),
             amp_core.sum_of_unscaled_squares(replicated, inv, branch_free=branch_free),
             *_fingerprint(state),
+            *extra,
         ]
     )
 
@@ -92,8 +162,28 @@ def _distributed_step(
 ) -> jax.Array:
     state = unpack(carry)
     total = amp_core.combine_partials(gathered[:, :2], replicas=replicas)
-    consistent = jnp.all(gathered[:, 2:] == jnp.stack(_fingerprint(state)))
+    consistent = jnp.all(gathered[:, 2:_PARTIALS] == jnp.stack(_fingerprint(state)))
     return _finish(config, state, total, optimizer_steps, consistent)
+
+
+_PARTIALS = 5
+"""Entries of a rank's partials before the loss (the two sums, then the fingerprint)."""
+
+
+def _distributed_spike_step(
+    config: amp_core.DynamicLossScale,
+    replicas: int,
+    carry: jax.Array,
+    spikes: jax.Array,
+    gathered: jax.Array,
+    optimizer_steps: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    state = unpack(carry)
+    total = amp_core.combine_partials(gathered[:, :2], replicas=replicas)
+    consistent = jnp.all(gathered[:, 2:_PARTIALS] == jnp.stack(_fingerprint(state)))
+    # metric="loss": each rank's loss is its own batch's; the job's is their mean.
+    loss = jnp.mean(gathered[:, _PARTIALS]) if gathered.shape[1] > _PARTIALS else None
+    return _finish_with_spikes(config, state, total, optimizer_steps, consistent, spikes, loss)
 
 
 def local_core(config: amp_core.LossScaleConfig, branch_free: bool = False) -> Any:
@@ -116,7 +206,8 @@ def _local_core(config: amp_core.LossScaleConfig, branch_free: bool) -> Any:
 
 def partials_core(branch_free: bool = False) -> Any:
     """A distributed job's local half: this rank's sharded and replicated sums, and the scale and
-    counters every rank must agree on (``float32[5]``), from ``(carry, sharded, replicated)``."""
+    counters every rank must agree on (``float32[5]``), from ``(carry, sharded, replicated)``;
+    given a fourth argument, this rank's loss, it is appended (``float32[6]``)."""
     return _partials_core(branch_free)
 
 
@@ -131,6 +222,30 @@ def distributed_core(config: amp_core.LossScaleConfig, replicas: int = 1) -> Any
     gathered partials (``float32[ranks, 5]``); returns the next carry. ``replicas``: the replica
     groups of an HSDP mesh, rows in replica-major order (``amp_core.combine_partials``)."""
     return jax.jit(functools.partial(_distributed_step, config, replicas))
+
+
+def local_spike_core(config: amp_core.DynamicLossScale, branch_free: bool = False) -> Any:
+    """:func:`local_core` for a configuration with ``spike_skip``.
+
+    Called as ``core(carry, spikes, grads, optimizer_steps, loss)``: ``spikes`` the packed
+    window (:mod:`~torch_facade.amp._engine._spikes`), ``loss`` the iteration's loss for
+    ``SpikeSkip(metric="loss")`` (``None`` for the norm); returns ``(next carry, next spikes)``.
+    """
+    return _local_spike_core(config, branch_free)
+
+
+@functools.cache
+def _local_spike_core(config: amp_core.DynamicLossScale, branch_free: bool) -> Any:
+    jitted = jax.jit(functools.partial(_local_spike_step, config, branch_free))
+    return _core_cache.persistent(jitted, f"local spikes branch_free={branch_free} {config!r}")
+
+
+@functools.cache
+def distributed_spike_core(config: amp_core.DynamicLossScale, replicas: int = 1) -> Any:
+    """:func:`distributed_core` for a configuration with ``spike_skip``:
+    ``core(carry, spikes, gathered, optimizer_steps)`` -> ``(next carry, next spikes)``; with
+    ``metric="loss"`` each rank's partials end with its loss (:func:`partials_core`)."""
+    return jax.jit(functools.partial(_distributed_spike_step, config, replicas))
 
 
 @functools.cache

@@ -27,7 +27,15 @@ import jax
 import torch
 
 import amp_core
-from torch_facade.amp._engine import _carry, _cores, _crossing, _distributed, _dlpack, _gradients
+from torch_facade.amp._engine import (
+    _carry,
+    _cores,
+    _crossing,
+    _distributed,
+    _dlpack,
+    _gradients,
+    _spikes,
+)
 from torch_facade.amp._engine._carry import Carry, Slot
 
 _CPU = torch.device("cpu")
@@ -85,6 +93,8 @@ class Decision:
     read: _gradients.GradientRead | None = None
     # The optimizer (by id) whose parameters are exactly the participants, if there is one.
     sole: int | None = None
+    # With spike_skip: the core's next packed spike window (see _spikes), adopted at update().
+    next_spikes: jax.Array | None = None
     _host_values: list[float] | None = None
 
     def isfinite(self) -> torch.Tensor:
@@ -328,6 +338,8 @@ class Decider:
         carry: Carry,
         params: Sequence[torch.Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
+        spikes: _spikes.SpikeWindow | None = None,
+        loss: torch.Tensor | None = None,
     ) -> Decision:
         """Reads the gradients of ``params`` once and decides (DLS, DLS + GCC).
 
@@ -336,6 +348,9 @@ class Decider:
             carry: the scaler state (packed and moved onto the gradients' device, once).
             params: every participating parameter.
             optimizers: the known optimizers (each counts one optimizer step).
+            spikes: the spike window, when ``config.spike_skip`` is set (else ``None``: the
+                cores without spike skipping, unchanged).
+            loss: the iteration's unscaled loss (``SpikeSkip(metric="loss")`` only).
         """
         grads = self.reader.read(params)
         layout = _distributed.mesh_layout(grads.meshes, self.process_group)
@@ -347,6 +362,20 @@ class Decider:
         count = self._counts.get((device, steps))
         if count is None:
             count = self._counts[(device, steps)] = _dlpack.counter_on(device, steps)
+        if spikes is not None:
+            return self._with_spikes(
+                config,
+                grads,
+                layout,
+                carry,
+                before,
+                crossing,
+                count,
+                spikes,
+                loss,
+                params,
+                optimizers,
+            )
         collective = _distributed.collective(self.process_group)
         if collective is None:
             arrays = _imports(grads.sharded + grads.replicated, grads.kept)
@@ -385,4 +414,72 @@ class Decider:
         )
         if collective is not None and crossing.host_is_device:
             decision.host_values()  # free here; checks that the ranks agreed
+        return decision
+
+    def _with_spikes(
+        self,
+        config: amp_core.DynamicLossScale,
+        grads: _gradients.GradientRead,
+        layout: Any,
+        carry: Carry,
+        before: jax.Array,
+        crossing: _crossing.Crossing,
+        count: jax.Array,
+        spikes: _spikes.SpikeWindow,
+        loss: torch.Tensor | None,
+        params: Sequence[torch.Tensor],
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> Decision:
+        """:meth:`dynamic` with a spike window: the cores that also call ``check_spike``."""
+        device = carry.device
+        assert device is not None  # packed_on placed it
+        branch_free = not crossing.host_is_device
+        window = spikes.packed_on(device)
+        loss_array = None
+        if loss is not None:
+            if loss.device != device:
+                loss = loss.to(device)
+            (loss_array,) = _dlpack.import_tensors([loss])
+        collective = _distributed.collective(self.process_group)
+        if collective is None:
+            arrays = _imports(grads.sharded + grads.replicated, grads.kept)
+            out, next_spikes = _cores.local_spike_core(config, branch_free)(
+                before, window, arrays, count, loss_array
+            )
+            keep: tuple[Any, ...] = (loss,)
+        else:
+            sharded = _dlpack.import_tensors(grads.sharded)
+            replicated = _imports(grads.replicated, grads.kept)
+            extra = () if loss_array is None else (loss_array,)
+            partials = _dlpack.to_torch(
+                _cores.partials_core(branch_free)(before, sharded, replicated, *extra)
+            )
+            gathered = layout.arrange(collective.gather(partials))
+            out, next_spikes = _cores.distributed_spike_core(config, layout.replicas)(
+                before, window, _dlpack.to_jax(gathered), count
+            )
+            keep = (partials, gathered, loss)
+        packed = _carry.exported_carry(out, crossing)
+        full = packed[Slot.MULTIPLIER]
+        clips = config.clips
+        decision = Decision(
+            full=full,
+            unscale=packed[Slot.UNSCALE] if clips else None,
+            clip=packed[Slot.CLIP_MULTIPLIER] if clips else None,
+            pending=dict.fromkeys(map(id, optimizers), full),
+            covered=grads.covered,
+            before=carry,
+            outputs=out,
+            packed=packed,
+            expected_steps=len(optimizers),
+            device=device,
+            host_is_device=crossing.host_is_device,
+            params=params,
+            keep=keep,
+            read=grads,
+            sole=_sole(optimizers, params),
+            next_spikes=next_spikes,
+        )
+        if collective is not None and crossing.host_is_device:
+            decision.host_values()
         return decision

@@ -37,6 +37,7 @@ from torch_facade.amp._engine._discovery import reached_parameters
 from torch_facade.amp._engine._dtensor import local_values
 from torch_facade.amp._engine._fused import FusedSteps
 from torch_facade.amp._engine._gradients import on_device
+from torch_facade.amp._engine._spikes import SpikeWindow
 from torch_facade.amp._engine._storage import in_memory_order
 
 
@@ -55,6 +56,9 @@ class ScalerEngine:
         raise_on_stall: whether a stalled scale raises (see :meth:`end_iteration`).
         state: the initial state's values on the host, in field order (a pickled scaler's);
             the configuration's initial state if ``None``.
+        spikes: the packed spike window on the host (a pickled scaler's; see
+            :mod:`~torch_facade.amp._engine._spikes`); empty if ``None``. Only with a
+            configuration that has ``spike_skip``.
 
     Raises:
         TypeError: ``process_group`` is not a process group.
@@ -67,6 +71,7 @@ class ScalerEngine:
         *,
         raise_on_stall: bool = False,
         state: Sequence[Any] | None = None,
+        spikes: Any = None,
     ) -> None:
         _distributed.check_group(process_group)
         self.config = config
@@ -83,6 +88,12 @@ class ScalerEngine:
         self.reached: list[torch.Tensor] = []
         self._stall = StallWatch(config) if isinstance(config, amp_core.DynamicLossScale) else None
         self._fused = FusedSteps()
+        # With spike_skip: the rolling window (None without: the decision's cores are the plain
+        # ones), and for metric="loss" the sum of this iteration's unscaled losses.
+        spike_skip = getattr(config, "spike_skip", None)
+        self.spikes = None if spike_skip is None else SpikeWindow(spike_skip, spikes)
+        self.watch_loss = spike_skip is not None and spike_skip.metric == "loss"
+        self.loss_sum: torch.Tensor | None = None
         # The participating parameters, the same list while they stay the same (by identity).
         self._participants_cache: list[torch.Tensor] | None = None
         # On the host until the first decision puts it on the gradients' device: constructing a
@@ -145,10 +156,14 @@ class ScalerEngine:
         return self.scaled or self.decision is not None
 
     def isfinite(self) -> torch.Tensor:
-        """This iteration's overflow flag once decided, else the last one's (a new tensor)."""
+        """This iteration's skip signal once decided, else the last one's (a new tensor): false
+        on an overflow, and with ``spike_skip`` on a spike."""
         if self.decision is not None:
             return self.decision.isfinite()
-        return self.carry.field(Slot.ISFINITE).clone()
+        finite = self.carry.field(Slot.ISFINITE)
+        if self.spikes is not None:  # a spike's gradients were finite, its step not applied
+            return torch.logical_and(finite, self.spikes.spiked().logical_not())
+        return finite.clone()
 
     def global_norm(self) -> torch.Tensor:
         """This iteration's global norm once decided, else the last one's (a new tensor)."""
@@ -239,12 +254,29 @@ class ScalerEngine:
         self.scaled = True
         if self.discovering and self.dynamic and loss.grad_fn is not None:
             self.reached.extend(reached_parameters(loss))
+        if self.watch_loss:
+            self._add_loss(loss)
         if self.identity:
             return loss.float()
         scale = self.scale_tensor
         if scale.device != loss.device and scale.device.type != "cpu":
             scale = on_device(scale, loss.device)  # a CPU 0-d tensor needs no copy
         return loss.float() * scale
+
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        """Adds ``loss`` (the sum of its elements, unscaled) to the iteration's loss, the metric
+        of ``SpikeSkip(metric="loss")`` (no host synchronisation)."""
+        with torch.no_grad():
+            value = loss.detach().float().sum()
+            self.loss_sum = (
+                value if self.loss_sum is None else self.loss_sum + value.to(self.loss_sum.device)
+            )
+
+    def num_spike_skips(self) -> torch.Tensor:
+        """Steps skipped as spikes so far (0 without ``spike_skip``): a new int64 0-d tensor."""
+        if self.spikes is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self.spikes.num_spike_skips()
 
     def decide(self, clip_norm: float | None = None) -> Decision:
         """Takes the iteration's overflow decision once, over every participating gradient.
@@ -259,13 +291,29 @@ class ScalerEngine:
         if isinstance(config, amp_core.DynamicLossScale):
             if clip_norm is not None:
                 config = _with_clip_norm(config, clip_norm)
-            decision = self.decider.dynamic(config, self.carry, params, self.optimizers)
+            if self.spikes is None:
+                decision = self.decider.dynamic(config, self.carry, params, self.optimizers)
+            else:
+                decision = self.decider.dynamic(
+                    config, self.carry, params, self.optimizers, self.spikes, self._loss()
+                )
         else:  # static scaling never checks: apply every step
             decision = self.decider.static(self.carry, params, self.optimizers, self.identity)
         self.decision = decision
         if self.dynamic:
             _cbfloat16_notice.check(self, self.config, self._host_scale, params)
         return decision
+
+    def _loss(self) -> torch.Tensor | None:
+        """The iteration's loss for ``SpikeSkip(metric="loss")`` (``None`` for the norm)."""
+        if not self.watch_loss:
+            return None
+        if self.loss_sum is None:
+            raise RuntimeError(
+                'SpikeSkip(metric="loss") watches the loss passed to scale(): call '
+                "scale(loss).backward() before this iteration's unscale_() or step()"
+            )
+        return self.loss_sum
 
     def _host_scale(self) -> float:
         return float(self.scale_tensor)
@@ -303,6 +351,8 @@ class ScalerEngine:
         if decision.scale_updated:
             return
         carry = decision.next_carry()
+        if self.spikes is not None and decision.next_spikes is not None:
+            self.spikes.adopt(decision.next_spikes, decision.device)
         if stepped == decision.expected_steps:
             self._adopt(carry, carry.field(Slot.LOSS_SCALE))
         else:  # an optimizer joined late, or one known optimizer did not step
@@ -323,6 +373,7 @@ class ScalerEngine:
         self.last_decision = self.decision
         self.decision = None
         self.scaled = False
+        self.loss_sum = None
         if self.optimizers:
             self.discovering = False
             self.reached = []
