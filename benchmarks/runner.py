@@ -84,8 +84,9 @@ tensor (one-element gradients); start-up; the cbfloat16 preview; peak memory, a 
 per variant."""
 
 MEMORY_ROUNDS = {False: 1, True: 3}
-"""Fresh processes per variant and size of the memory section: the quick run, the full run
-(a peak varies by a few MiB from process to process, not with the machine's load)."""
+"""Fresh processes per variant and size of the memory section: the quick run (its four main
+variants, 3 iterations each), the full run (every variant, 10 iterations; a peak varies by tens
+of MiB from process to process with the heap's layout, not with the machine's load)."""
 
 PER_SIZE_SECTIONS = ("whole", "scaler", "jax")
 """The sections run once per size of ``--sizes``."""
@@ -732,7 +733,12 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
             bar.set_description("memory: fresh processes")
             sizes = [s for s in options.sizes if not SIZES[s].tiny] or ["S"]
             results["memory"] = memory_bench.run(
-                sizes, MEMORY_ROUNDS[options.full], seed=options.seed, tick=state.tick
+                sizes,
+                MEMORY_ROUNDS[options.full],
+                steps=memory_bench.STEPS if options.full else memory_bench.QUICK_STEPS,
+                variants=memory_bench.VARIANTS if options.full else memory_bench.QUICK_VARIANTS,
+                seed=options.seed,
+                tick=state.tick,
             )
     meta = results["meta"]
     meta["compiles_after_warmup_total"] = sum(
