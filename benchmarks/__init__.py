@@ -18,6 +18,13 @@ One process measures, with the variants interleaved round by round (sections of 
    nothing to compute (:mod:`benchmarks.host_bench`; :mod:`benchmarks.host_profile` breaks the
    facade's share down);
 
+6. ``startup``: import time and the first iterations, in fresh processes
+   (:mod:`benchmarks.startup_bench`);
+7. ``cbfloat16``: the cbfloat16 preview against float32 on a GPT-2, alternating single
+   iterations and in blocks, with the page faults of each (:mod:`benchmarks.cbfloat16_bench`);
+8. ``memory``: the peak resident set of whole iterations, one fresh process per variant
+   (:mod:`benchmarks.memory_bench`);
+
 and the compile time of the first step and the compilations after warm-up. Sizes:
 :mod:`workbench.sizes`. Results: a markdown report on the terminal and in
 ``bench_output/bench.md``, every raw number in ``bench_output/bench.json``.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import resource
 import statistics
 import time
 import warnings
@@ -71,7 +72,21 @@ class _Variant:
         self.step = step
         self.compiled = compiled
         self.reference = f"float32, {COMPILED}" if compiled else "float32"
-        self.samples: list[float] = []
+        self.samples: list[float] = []  # seconds of each iteration, alternating with the others
+        self.faults: list[int] = []  # the process's minor page faults in each of them
+        self.blocked: list[float] = []  # seconds, in blocks of this variant's iterations
+        self.blocked_faults: list[int] = []
+
+
+def _timed(step: Callable[[], None], faults: list[int]) -> float:
+    """Runs ``step``; appends the process's minor page faults during it to ``faults``; returns
+    its seconds."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    started = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - started
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return seconds
 
 
 @contextlib.contextmanager
@@ -167,12 +182,15 @@ def run(
                 variant.step()  # a compiled variant compiles here, before the counts
             if variant is compiled_preview:
                 after_warmup = _dynamo_counts()
+        preview = rows[1]  # the eager preview (see _variants)
+        eager_pair = [rows[0], preview]
         for _ in range(rounds):
-            for _ in range(iters):
+            for _ in range(iters):  # alternating single iterations, as users compare
                 for variant in rows:
-                    started = time.perf_counter()
-                    variant.step()
-                    variant.samples.append(time.perf_counter() - started)
+                    variant.samples.append(_timed(variant.step, variant.faults))
+            for variant in eager_pair:  # then blocks of iterations of each
+                for _ in range(iters):
+                    variant.blocked.append(_timed(variant.step, variant.blocked_faults))
             tick()
         at_end = _dynamo_counts()
         by_name = {v.name: v for v in rows}
@@ -180,6 +198,8 @@ def run(
             v.name: [t / r for t, r in zip(v.samples, by_name[v.reference].samples, strict=True)]
             for v in rows
         }
+        float32 = by_name["float32"]
+        blocked = [t / r for t, r in zip(preview.blocked, float32.blocked, strict=True)]
         result = {
             "rounds": rounds,
             "iters": iters,
@@ -195,9 +215,20 @@ def run(
                     "ratio_to_float32": statistics.median(ratios[v.name]),
                     "spread": [min(ratios[v.name]), max(ratios[v.name])],
                     "samples_s": v.samples,
+                    "minor_faults_per_iteration": statistics.median(v.faults),
+                    "minor_faults_max": max(v.faults),
                 }
                 for v in rows
             ],
+            "blocked": {
+                "case": preview.name,
+                "ratio_to_float32": statistics.median(blocked),
+                "spread": [min(blocked), max(blocked)],
+                "minor_faults_per_iteration": statistics.median(preview.blocked_faults),
+                "float32_minor_faults_per_iteration": statistics.median(float32.blocked_faults),
+                "samples_s": preview.blocked,
+                "float32_samples_s": float32.blocked,
+            },
         }
     result["jax"] = run_jax(rounds, jax_iters, seed, small) if jax_iters else None
     return result
@@ -270,14 +301,20 @@ def run_jax(
 
 
 def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
-    """A variant per row: its median ms, its ratio to float32 and the ratio's spread."""
+    """A variant per row: its median ms, its ratio to float32 and the ratio's spread, and the
+    process's minor page faults per iteration (median, max) where they were counted."""
+    faults = all("minor_faults_per_iteration" in row for row in rows)
     body = []
     for row in rows:
         low, high = row.get("spread", (row["ratio_to_float32"],) * 2)
         ratio = f"{row['ratio_to_float32']:.2f}"
-        body.append([row["case"], f"{row['median_ms']:.1f}", ratio, f"[{low:.2f}, {high:.2f}]"])
+        cells = [row["case"], f"{row['median_ms']:.1f}", ratio, f"[{low:.2f}, {high:.2f}]"]
+        if faults:
+            cells.append(f"{row['minor_faults_per_iteration']:.0f} ({row['minor_faults_max']})")
+        body.append(cells)
     header = ["variant", "median ms", "ratio to float32", "spread"]
-    return markdown_table(header, body, ["l", "r", "r", "l"])
+    header += ["page faults / iteration (max)"] if faults else []
+    return markdown_table(header, body, ["l", "r", "r", "l"] + (["r"] if faults else []))
 
 
 def markdown(result: dict[str, Any], number: int) -> list[str]:
@@ -294,6 +331,17 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
         "",
         *_ratio_table(result["rows"]),
     ]
+    blocked = result.get("blocked")
+    if blocked:
+        low, high = blocked["spread"]
+        out += [
+            "",
+            f"The eager preview in blocks of {result['iters']} iterations of each (float32's "
+            f"block, then the preview's, every round) instead of alternating single "
+            f"iterations: ratio {blocked['ratio_to_float32']:.2f} [{low:.2f}, {high:.2f}], "
+            f"{blocked['minor_faults_per_iteration']:.0f} minor page faults an iteration "
+            f"(float32 {blocked['float32_minor_faults_per_iteration']:.0f}).",
+        ]
     if counts:
         out += [
             "",

@@ -10,6 +10,7 @@ Examples::
     python -m benchmarks --sections host            # host cost per gradient tensor (148, 1000)
     python -m benchmarks --sections step            # the JAX train step with the other scalers
     python -m benchmarks --sections startup,cbfloat16  # start-up; the cbfloat16 preview
+    python -m benchmarks --sections memory --sizes S,M # peak memory, a process per variant
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
             "passed in (a narrower second view); 'host' = the host cost per gradient tensor "
             "(one-element gradients, nothing to compute); 'startup' = import time and the "
             "first iteration of a first and a second run, in fresh processes; 'cbfloat16' = the "
-            "cbfloat16 preview against float32 on a Hugging Face GPT-2. Prints a markdown "
+            "cbfloat16 preview against float32 on a Hugging Face GPT-2 (alternating single "
+            "iterations and blocks of them, with page faults); 'memory' = peak RSS of whole "
+            "iterations, a fresh process per variant (the facade, torch's scaler and plain "
+            "float32, the cbfloat16 preview, float16 with master weights). Prints a markdown "
             "report and writes "
             "it with a JSON file of every raw number and PNG plots."
         ),

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cbfloat16_bench, startup_bench, step_bench
+from benchmarks import cbfloat16_bench, memory_bench, startup_bench, step_bench
 from workbench.jsonsafe import write_json
 from workbench.tables import markdown_table, number, stats_cell, yes
 from workbench.whole_loop import comparison_table
@@ -637,6 +637,10 @@ def _cbfloat16_section(results: dict[str, Any], heading: int) -> list[str]:
     return cbfloat16_bench.markdown(results["cbfloat16"], heading)
 
 
+def _memory_section(results: dict[str, Any], heading: int) -> list[str]:
+    return memory_bench.markdown(results["memory"], heading)
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The report: run facts, then one numbered section per part that ran, in this order."""
     sections = [
@@ -650,6 +654,7 @@ def markdown(results: dict[str, Any]) -> str:
         (bool(results["compile"]), _compile_section),
         (results.get("startup") is not None, _startup_section),
         (results.get("cbfloat16") is not None, _cbfloat16_section),
+        (results.get("memory") is not None, _memory_section),
     ]
     out = _header(results)
     heading = 0

@@ -24,6 +24,7 @@ from benchmarks import (
     ddp_bench,
     host_bench,
     jax_bench,
+    memory_bench,
     scaler_checks,
     startup_bench,
     step_bench,
@@ -74,12 +75,18 @@ HOST_RUN = 10
 one untimed iteration), so that each timed iteration follows one of its own loop's, as in
 training (see :class:`workbench.timing.Plan`)."""
 
-SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host", "startup", "cbfloat16")
+SECTIONS = ("whole", "scaler", "ddp", "step", "jax", "host", "startup", "cbfloat16", "memory")
 """The sections, in report order: whole iterations of the documented loop; the scaler alone on
 gradients refilled in place (with the bandwidth floor); whole iterations under DDP (2 ranks);
 the JAX train step as users write it, with the floor and the other JAX scalers; the jitted optax
 step on gradients passed in as inputs (a narrower second view); the host cost per gradient
-tensor (one-element gradients)."""
+tensor (one-element gradients); start-up; the cbfloat16 preview; peak memory, a fresh process
+per variant."""
+
+MEMORY_ROUNDS = {False: 1, True: 3}
+"""Fresh processes per variant and size of the memory section: the quick run (its four main
+variants, 3 iterations each), the full run (every variant, 10 iterations; a peak varies by tens
+of MiB from process to process with the heap's layout, not with the machine's load)."""
 
 PER_SIZE_SECTIONS = ("whole", "scaler", "jax")
 """The sections run once per size of ``--sizes``."""
@@ -423,6 +430,7 @@ def _ticks(options: BenchOptions) -> int:
         + ("host" in options.sections) * host
         + ("startup" in options.sections) * options.rounds
         + ("cbfloat16" in options.sections) * options.rounds
+        + ("memory" in options.sections) * MEMORY_ROUNDS[options.full]
     )
 
 
@@ -450,6 +458,7 @@ class _Run:
             "compile": [],
             "startup": None,
             "cbfloat16": None,
+            "memory": None,
         }
 
     def tick(self) -> None:
@@ -719,6 +728,17 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
             bar.set_description("cbfloat16 preview: GPT-2")
             results["cbfloat16"] = cbfloat16_bench.run(
                 options.rounds, seed=options.seed, tick=state.tick, float16_autocast=options.full
+            )
+        if "memory" in options.sections:
+            bar.set_description("memory: fresh processes")
+            sizes = [s for s in options.sizes if not SIZES[s].tiny] or ["S"]
+            results["memory"] = memory_bench.run(
+                sizes,
+                MEMORY_ROUNDS[options.full],
+                steps=memory_bench.STEPS if options.full else memory_bench.QUICK_STEPS,
+                variants=memory_bench.VARIANTS if options.full else memory_bench.QUICK_VARIANTS,
+                seed=options.seed,
+                tick=state.tick,
             )
     meta = results["meta"]
     meta["compiles_after_warmup_total"] = sum(

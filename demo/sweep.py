@@ -41,10 +41,11 @@ HALF_FORMATS = ("float16", "bfloat16", "cbfloat16")
 ALL_ROWS = ("float32", "float16", "float16+dls", "bfloat16", "cbfloat16+dls", "cbfloat16", "peer")
 """The rows of the full sweep (the table's rows less the clipping one)."""
 
-QUICK_ROWS = ("float32", "float16", "float16+dls", "cbfloat16", "peer")
-"""The rows of the quick sweep."""
+QUICK_ROWS = ("float32", "float16", "float16+dls", "cbfloat16+dls", "cbfloat16", "peer")
+"""The rows of the quick sweep: cbfloat16 as ``set_half_dtype("cbfloat16")`` runs it by default
+(dynamic loss scaling from ``2**31``) and without loss scaling."""
 
-ACCUMULATION_ROWS = ("float32", "float16", "float16+dls", "cbfloat16")
+ACCUMULATION_ROWS = ("float32", "float16", "float16+dls", "cbfloat16+dls", "cbfloat16")
 """The rows trained with real accumulation."""
 
 
@@ -289,6 +290,13 @@ def verdict_lines(sweep: DoorSweep) -> list[str]:
         lines.append(
             f"k = {k}: float16 + DLS ends {100 * (ratio - 1):+.1f}% from float32 "
             f"({'within' if abs(ratio - 1) <= 0.02 else 'NOT within'} 2%)"
+        )
+    if "cbfloat16+dls" in keys:
+        entry = sweep.entry(k, "cbfloat16+dls")
+        lines.append(
+            f"k = {k}: cbfloat16 + DLS (the defaults of set_half_dtype('cbfloat16')) ends "
+            f"{100 * (entry.ratio - 1):+.1f}% from float32, {entry.result.skipped_steps} steps "
+            f"skipped"
         )
     if "cbfloat16" in keys:
         ratio = sweep.entry(k, "cbfloat16").ratio

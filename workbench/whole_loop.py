@@ -144,6 +144,7 @@ def make_workload(
     batch: int = BATCH,
     token_seed: int | None = None,
     device: torch.device | str = "cpu",
+    tokens: int = TOKENS,
 ) -> Workload:
     """Builds the model of ``spec``'s whole iterations and a batch of random tokens.
 
@@ -154,13 +155,14 @@ def make_workload(
         token_seed: seeds the tokens (e.g. one per DDP rank).
         device: where the model and the tokens live (initialised on the CPU, then moved, so
             that every device starts from the same numbers).
+        tokens: tokens per sequence (at most the model's context).
     """
     spec = model_spec(spec)
     torch.manual_seed(seed)
     model = GPTLike(spec)
     generator = torch.Generator().manual_seed(seed if token_seed is None else token_seed)
-    tokens = random_tokens(spec, batch, min(TOKENS, spec.context), generator)
-    return Workload(spec, model.to(device), tokens.to(device))
+    ids = random_tokens(spec, batch, min(tokens, spec.context), generator)
+    return Workload(spec, model.to(device), ids.to(device))
 
 
 def _facade_scaler(clip: bool) -> cstorch.amp.GradScaler:

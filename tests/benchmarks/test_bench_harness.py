@@ -51,9 +51,10 @@ CASE_KEYS = {
 ROUNDS = 2
 S_TENSORS, S_PARAMS = 20, 1_068_800
 HOST_TENSORS = (3, 5)
-# The start-up and cbfloat16 sections have tests of their own (test_startup_cbfloat16_bench.py):
-# fresh processes and a GPT-2 would double this run.
-HARNESS_SECTIONS = tuple(s for s in runner.SECTIONS if s not in ("startup", "cbfloat16"))
+# The start-up, cbfloat16 and memory sections have tests of their own
+# (test_startup_cbfloat16_bench.py, test_memory_bench.py): fresh processes and a GPT-2 would
+# double this run.
+HARNESS_SECTIONS = tuple(s for s in runner.SECTIONS if s not in ("startup", "cbfloat16", "memory"))
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,10 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         "compile",
         "startup",
         "cbfloat16",
+        "memory",
     }
     assert results["startup"] is None and results["cbfloat16"] is None  # not run here
+    assert results["memory"] is None
     assert set(results["sizes"]) == {"S"}
     size = results["sizes"]["S"]
     assert set(size) == {
@@ -450,7 +453,10 @@ def test_cli_selects_sections(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         ([], runner.SECTIONS),
         (["--sections", "whole"], ("whole",)),
         (["--sections", "scaler,jax"], ("scaler", "jax")),
-        (["--no-ddp"], ("whole", "scaler", "step", "jax", "host", "startup", "cbfloat16")),
+        (
+            ["--no-ddp"],
+            ("whole", "scaler", "step", "jax", "host", "startup", "cbfloat16", "memory"),
+        ),
         (["--sections", "step", "--step-size", "S"], ("step",)),
         (["--sections", "host", "--host-tensors", "7,9"], ("host",)),
     ):

@@ -49,6 +49,13 @@ def test_cbfloat16_section_times_every_variant_interleaved():
         low, high = row["spread"]
         assert low <= row["ratio_to_float32"] <= high
     assert result["rows"][0]["ratio_to_float32"] == 1.0
+    for row in result["rows"]:  # the process's page faults, counted per iteration
+        assert 0 <= row["minor_faults_per_iteration"] <= row["minor_faults_max"]
+    blocked = result["blocked"]  # the eager preview in blocks, against float32's blocks
+    assert blocked["case"] == names[1] and "torch.compile" not in names[1]
+    assert len(blocked["samples_s"]) == len(blocked["float32_samples_s"]) == 1
+    low, high = blocked["spread"]
+    assert low <= blocked["ratio_to_float32"] <= high
     counts = result["compiled"]
     assert counts["graphs"] >= 2 and counts["frames_compiled_after_warmup"] == 0
     assert [row["case"] for row in result["jax"]["rows"]] == [
@@ -59,4 +66,5 @@ def test_cbfloat16_section_times_every_variant_interleaved():
     assert text.startswith("## 3. The cbfloat16 preview")
     assert "cbfloat16 preview, torch.compile, facade DLS" in text
     assert "frames compiled after the warm-up: 0" in text
+    assert "page faults / iteration" in text and "in blocks of 1 iterations" in text
     assert "| cbfloat16 + DLS |" in text

@@ -216,23 +216,28 @@ def test_the_tiny_run_writes_the_sweep(tiny_run: tuple[list, Path]) -> None:
     results, out_dir = tiny_run
     data = json.loads((out_dir / "demo.json").read_text())
     entries = data["sweep"]
-    # Per door: 5 rows at k = 1 and at k = 4, and 4 rows with 4 real micro-batches.
-    assert len(entries) == 2 * (2 * 5 + 4)
+    # Per door: 6 rows at k = 1 and at k = 4, and 5 rows with 4 real micro-batches.
+    assert len(entries) == 2 * (2 * 6 + 5)
     assert all(SWEEP_KEYS <= set(e) for e in entries)
     for door in results:
         mine = [e for e in entries if e["front_door"] == door.front_door]
-        assert [e["k"] for e in mine] == [1] * 5 + [4] * 5 + [4] * 4
-        assert [e["micro_batches"] for e in mine] == [1] * 10 + [4] * 4
-        assert [e["row"] for e in mine[:5]] == list(sweep.QUICK_ROWS)
+        assert [e["k"] for e in mine] == [1] * 6 + [4] * 6 + [4] * 5
+        assert [e["micro_batches"] for e in mine] == [1] * 12 + [4] * 5
+        assert [e["row"] for e in mine[:6]] == list(sweep.QUICK_ROWS)
         assert all(e["tokens_per_step"] == 4 * 16 * e["k"] for e in mine)
         # k = 1 is the main table's run, not trained again.
-        for e in mine[:5]:
+        for e in mine[:6]:
             assert e["held_out_loss"] == door.row(e["row"]).held_out_loss
-        for start in (0, 5, 10):
+        for start in (0, 6, 12):
             assert mine[start]["row"] == "float32" and mine[start]["ratio_to_float32"] == 1.0
             assert mine[start]["underflow_at_1"] is None
         scaled = [e for e in mine if e["scaling"] != "none"]
         assert all(e["underflow_at_scale"] is not None for e in scaled)
+        # The cbfloat16 row a set_half_dtype("cbfloat16") user runs: DLS from 2**31, at every
+        # k and with real accumulation too.
+        cb = [e for e in mine if e["row"] == "cbfloat16+dls"]
+        assert [(e["k"], e["micro_batches"]) for e in cb] == [(1, 1), (4, 1), (4, 4)]
+        assert all(e["scaling"] == "dls" and e["loss_scale_max"] == 2.0**31 for e in cb)
         # Dividing every gradient by 4 moves the largest element down two binades: the
         # suggested scale is exactly 4 times larger, and no fewer elements underflow.
         guess = {
@@ -248,7 +253,7 @@ def test_the_tiny_run_writes_the_sweep(tiny_run: tuple[list, Path]) -> None:
         assert guess[1, "bfloat16"]["underflow_at_1"] == 0.0
     # The same real accumulation through both front doors: float32 agrees.
     real = [e["held_out_loss"] for e in entries if e["micro_batches"] == 4 and e["k"] == 4]
-    assert real[0] == pytest.approx(real[4], rel=1e-4)
+    assert real[0] == pytest.approx(real[5], rel=1e-4)
     text = (out_dir / "demo.md").read_text()
     assert "## Where loss scaling matters" in text and "k = 4, real accumulation" in text
     for name in ("sweep_losses", "sweep_underflow", "torch_sweep_gradients", "jax_sweep_gradients"):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -447,7 +449,9 @@ def test_an_output_already_cast_is_not_cast_again(monkeypatch: pytest.MonkeyPatc
         out = model(x)
         assert len(calls) == 4  # the input, the weight, the bias and the Linear's output
         (out * 1e3).sum().backward()
-    assert len(calls) == 4 + 3  # the gradients of the output, the weight and the bias
+    # The gradients of the output, the weight and the bias (the input needs no gradient, so
+    # the Linear saves no weight to round again).
+    assert len(calls) == 4 + 3
     grads = [p.grad for p in model.parameters()]
     model.zero_grad()
     cast = cstorch.amp.cast_to_cbfloat16
@@ -505,3 +509,75 @@ def test_rejects_half_precision_models_and_non_modules() -> None:
         ),
     ):
         pass
+
+
+def _rounded_parameters(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
+    """Weak references to every rounded parameter the parametrizations make from now on."""
+    from torch_facade.amp import cbfloat16
+
+    made: list[weakref.ref] = []
+    original = cbfloat16._RoundParametrization.forward
+
+    def spy(self: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+        rounded = original(self, tensor)
+        made.append(weakref.ref(rounded))
+        return rounded
+
+    monkeypatch.setattr(cbfloat16._RoundParametrization, "forward", spy)
+    return made
+
+
+def test_the_forward_pass_holds_no_rounded_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear layer saves its weight for its backward pass: in the model's forward pass the
+    rounded weight is kept as its parameter and rounded again when the backward pass needs it
+    (no second copy of the model held in between); the same weight saved outside the model's
+    forward pass is held as torch holds it. The gradients are those of the hand-built graph
+    (``test_gradients_reach_master_weights_rounded_at_every_cast``)."""
+    made = _rounded_parameters(monkeypatch)
+    model = make_mlp()
+    x = torch.randn(5, 8)
+    with cstorch.amp.cbfloat16_numerics(model):
+        made.clear()
+        loss = model(x).sum()
+        gc.collect()
+        assert len(made) == 6 and all(ref() is None for ref in made)
+        # Not in the model's forward pass (x requires grad, so mm saves the weight).
+        outside = torch.mm(x.requires_grad_(), model[0].weight.T).sum()
+        gc.collect()
+        assert made[-1]() is not None
+        (loss + outside).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_parameter_changed_before_the_backward_pass_is_an_error() -> None:
+    """As torch refuses a backward pass through a weight changed in place since the forward."""
+    model = make_mlp()
+    with cstorch.amp.cbfloat16_numerics(model):
+        loss = model(torch.randn(3, 8)).sum()
+        with torch.no_grad():
+            model[2].parametrizations.weight.original.add_(1.0)  # its input requires grad
+        with pytest.raises(RuntimeError, match=r"shape \(32, 32\) was modified in place"):
+            loss.backward()
+
+
+def test_a_forward_pass_that_raises_leaves_nothing_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Failing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.inner(x)
+            raise ValueError("boom")
+
+    made = _rounded_parameters(monkeypatch)
+    model = Failing()
+    x = torch.randn(2, 4)
+    with cstorch.amp.cbfloat16_numerics(model):
+        with pytest.raises(ValueError, match="boom"):
+            model(x)
+        made.clear()
+        outside = torch.mm(x.requires_grad_(), model.inner.weight.T).sum()
+        gc.collect()
+        assert made[-1]() is not None  # saved as torch saves it: no hook left behind
+        outside.backward()

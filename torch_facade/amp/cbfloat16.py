@@ -226,12 +226,100 @@ def _cast(tensor: torch.Tensor) -> torch.Tensor:
     return rounded
 
 
+_MASTER = "_cstorch_cbfloat16_master"
+"""The attribute :class:`_RoundParametrization` leaves on an eager rounded parameter: the
+parameter it was rounded from, and that parameter's version counter then."""
+
+
 class _RoundParametrization(torch.nn.Module):
     """The parametrization :func:`cbfloat16_numerics` registers: the effective tensor is the
-    rounded original."""
+    rounded original. Eagerly, the result remembers its parameter (:data:`_MASTER`), so that a
+    backward pass that needs it recomputes it instead of holding it (:class:`_RecomputeWeights`)."""
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _cast(tensor)
+        rounded = _cast(tensor)
+        if torch.compiler.is_compiling():
+            return rounded
+        if rounded is not tensor and hasattr(rounded, _CAST_VERSION):  # not an inference tensor
+            setattr(rounded, _MASTER, (tensor, tensor._version))
+        return rounded
+
+
+class _Recomputed:
+    """What :class:`_RecomputeWeights` keeps for a saved rounded parameter (or a view of one):
+    the parameter, its version, the dtype and the view's geometry."""
+
+    __slots__ = ("dtype", "master", "offset", "size", "stride", "version")
+
+    def __init__(self, master: torch.Tensor, version: int, saved: torch.Tensor) -> None:
+        self.master = master
+        self.version = version
+        self.dtype = saved.dtype
+        self.size = saved.size()
+        self.stride = saved.stride()
+        self.offset = saved.storage_offset()
+
+
+def _pack(saved: torch.Tensor) -> Any:
+    """A saved tensor that is a rounded parameter (or a view of one), unchanged since it was
+    made: its parameter, to round again when the backward pass needs it; any other: itself."""
+    base = saved._base if saved._is_view() else saved
+    if base is None:
+        return saved
+    made = getattr(base, _MASTER, None)
+    if made is None or getattr(base, _CAST_VERSION, None) != base._version:
+        return saved
+    master, version = made
+    if master._version != version or saved.dtype != base.dtype:
+        return saved
+    return _Recomputed(master, version, saved)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if not isinstance(packed, _Recomputed):
+        return cast(torch.Tensor, packed)
+    master = packed.master
+    if master._version != packed.version:
+        raise RuntimeError(
+            "cbfloat16_numerics: a parameter of shape "
+            f"{tuple(master.shape)} was modified in place (an optimizer step?) between the "
+            "forward pass and the backward pass that needs its rounded value; run backward() "
+            "before changing the parameters"
+        )
+    rounded = _round_values(master).to(packed.dtype)
+    return rounded.as_strided(packed.size, packed.stride, packed.offset)
+
+
+class _RecomputeWeights:
+    """Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) around each eager,
+    grad-recording forward pass of the model under :func:`cbfloat16_numerics`: a rounded
+    weight that an operation saves for its backward (a linear layer saves its weight) is kept
+    as its parameter and rounded again in the backward pass, instead of being held from the
+    forward pass to the backward pass beside its float32 parameter (4 bytes per parameter, a
+    second copy of the model). The backward pass computes with the same bits, and pays one
+    more rounding of each weight."""
+
+    def __init__(self) -> None:
+        self._entered: list[Any] = []
+
+    def enter(self, module: torch.nn.Module, args: Any) -> None:
+        """The model's forward pre-hook (nothing under ``torch.compile``, whose graphs round
+        inside their own kernels)."""
+        if torch.compiler.is_compiling():
+            return
+        hooks = None
+        if torch.is_grad_enabled():
+            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            hooks.__enter__()
+        self._entered.append(hooks)
+
+    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The model's forward hook (called also when the forward pass raised)."""
+        if torch.compiler.is_compiling() or not self._entered:
+            return
+        hooks = self._entered.pop()
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
 
 
 def _round_tree(value: Any) -> Any:
@@ -342,6 +430,14 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     parametrization keys (``...parametrizations.weight.original``) and ``module.modules()``
     lists the parametrization modules too.
 
+    Memory: in the model's forward pass (eagerly, with grad recording on), a rounded weight
+    that an operation saves for its backward pass (a linear layer saves its weight) is kept as
+    its float32 parameter and rounded again when the backward pass needs it, so the preview
+    does not hold a second copy of the weights between the two passes; the backward pass
+    computes with the same bits. As for any saved weight, changing a parameter in place
+    between the forward pass and that backward pass (an optimizer step) is a
+    ``RuntimeError`` at the backward pass.
+
     On the CPU the first entry in a process also compiles the rounding loop (seconds: about
     7 s with an empty inductor cache, 2.5 s with a warm one; ``CSTORCH_CBFLOAT16_FUSED=0``
     keeps the uncompiled rounding, with the same bits).
@@ -389,9 +485,14 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     with contextlib.ExitStack() as undo:
         handle = module.register_forward_pre_hook(_round_inputs_hook, with_kwargs=True)
         undo.callback(handle.remove)
+        recompute = _RecomputeWeights()
+        handle = module.register_forward_pre_hook(recompute.enter)
+        undo.callback(handle.remove)
         for submodule in hooked:
             handle = submodule.register_forward_hook(_round_outputs_hook)
             undo.callback(handle.remove)
+        handle = module.register_forward_hook(recompute.exit, always_call=True)
+        undo.callback(handle.remove)
         for owner in {id(owner): owner for owner, _ in targets}.values():
             # Runs last: removing a parametrization re-registers the parameter at the end.
             undo.callback(_restore_order, owner, list(owner._parameters))
