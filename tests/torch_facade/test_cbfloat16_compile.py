@@ -210,8 +210,7 @@ def test_each_cast_is_one_operator_in_the_graph():
     and of the ``Sequential`` (under ``torch.compile`` the container's output, the last layer's,
     is cast again); backward: the gradient reaching each of the 9 casts but the input's (no
     gradient is asked for it)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
     dynamo_graphs: list[torch.fx.GraphModule] = []
     aot_graphs: list[torch.fx.GraphModule] = []
@@ -219,9 +218,9 @@ def test_each_cast_is_one_operator_in_the_graph():
     def keep(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
         dynamo_graphs.append(graph)
 
-        def compiler(aot_graph: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Any:
-            aot_graphs.append(aot_graph)
-            return make_boxed_func(aot_graph)
+        def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Any:
+            aot_graphs.append(gm)
+            return make_boxed_func(gm)
 
         return aot_module_simplified(graph, example_inputs, fw_compiler=compiler)
 
