@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -193,3 +194,89 @@ def test_the_compiled_preview_rounds_outputs_and_gradients_to_the_grid(runs):
     )
     assert not _on_the_grid(float32.first_logits)
     assert len(off_the_grid(float32)) > len(names) // 2
+
+
+def _cast_nodes(graph: torch.fx.GraphModule) -> int:
+    return sum(
+        node.target is torch.ops.cstorch.cbfloat16_cast.default for node in graph.graph.nodes
+    )
+
+
+def test_each_cast_is_one_operator_in_the_graph():
+    """Dynamo records each cast as one call of ``cstorch::cbfloat16_cast`` (not the rounding's
+    element-wise operations, nor an autograd function's subgraphs), and inductor's forward and
+    backward graphs hold one call per cast and per rounded gradient. Counted by hand for
+    ``Linear -> GELU -> Linear``: 4 parameters, the input, and the outputs of the three layers
+    and of the ``Sequential`` (under ``torch.compile`` the container's output, the last layer's,
+    is cast again); backward: the gradient reaching each of the 9 casts but the input's (no
+    gradient is asked for it)."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+    dynamo_graphs: list[torch.fx.GraphModule] = []
+    aot_graphs: list[torch.fx.GraphModule] = []
+
+    def keep(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        dynamo_graphs.append(graph)
+
+        def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Any:
+            aot_graphs.append(gm)
+            return make_boxed_func(gm)
+
+        return aot_module_simplified(graph, example_inputs, fw_compiler=compiler)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    torch._dynamo.reset()
+    with cstorch.amp.cbfloat16_numerics(model):
+        torch.compile(model, backend=keep, fullgraph=True)(torch.randn(4, 8)).sum().backward()
+    torch._dynamo.reset()
+    assert len(dynamo_graphs) == 1 and len(aot_graphs) == 2
+    assert _cast_nodes(dynamo_graphs[0]) == 9
+    names = {str(node.target) for node in dynamo_graphs[0].graph.nodes}
+    assert not any("bitwise" in name or "autograd_function" in name for name in names), names
+    assert [_cast_nodes(graph) for graph in aot_graphs] == [9, 8]
+
+
+def test_the_compiled_cast_is_hardwares_rounding_bit_for_bit_forward_and_backward():
+    """Under ``torch.compile`` the values and the gradients are ``hardware``'s rounding of
+    random float32 bit patterns and every special value, bit for bit (NaNs' bits included),
+    for a contiguous and a transposed input and for float64. The model is an ``Identity``: its
+    input and its output are cast, so the gradient is rounded twice (rounding is idempotent)."""
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 2**32, size=(64, 96), dtype=np.uint32)
+    specials = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**31, 2.0**32 - 2.0**8, 3e38, 2.0**-40,
+         3 * 2.0**-40, -(2.0**-149), 1 + 2.0**-10, 1 + 3 * 2.0**-10, 65504.0],
+        dtype=np.float32,
+    ).view(np.uint32)  # fmt: skip
+    patterns[0, : specials.size] = specials
+
+    def hardware_bits(bits: np.ndarray) -> np.ndarray:
+        return np.asarray(CBFLOAT16.round(jnp.asarray(bits.view(np.float32)))).view(np.uint32)
+
+    model = torch.nn.Identity()
+    torch._dynamo.reset()
+    with cstorch.amp.cbfloat16_numerics(model):
+        compiled = torch.compile(model)
+        for layout in ("contiguous", "transposed", "float64"):
+            leaf = torch.from_numpy(patterns.view(np.float32).copy())
+            if layout == "float64":
+                leaf = leaf.double()
+            leaf.requires_grad_(True)
+            x = leaf.t() if layout == "transposed" else leaf  # a strided input
+            grad = torch.from_numpy(np.ascontiguousarray(patterns[::-1]).view(np.float32))
+            grad = grad.to(leaf.dtype)
+            if layout == "transposed":
+                grad = grad.t()
+            out = compiled(x)
+            out.backward(grad)
+            assert out.dtype == leaf.dtype and leaf.grad is not None
+            assert leaf.grad.dtype == leaf.dtype
+            value_bits = x.detach().float().contiguous().numpy().view(np.uint32)
+            grad_bits = grad.float().t().contiguous() if layout == "transposed" else grad.float()
+            got = out.detach().float().contiguous().numpy().view(np.uint32)
+            assert np.array_equal(got, hardware_bits(value_bits)), layout
+            got_grad = leaf.grad.float().numpy().view(np.uint32)
+            expected_grad = hardware_bits(grad_bits.numpy().view(np.uint32))
+            assert np.array_equal(got_grad, expected_grad), layout
+    torch._dynamo.reset()

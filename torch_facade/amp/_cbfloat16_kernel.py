@@ -322,9 +322,8 @@ def _may_overflow(power_bits: torch.Tensor) -> bool:
 
 
 def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
-    """:func:`round_float32` with no decision on values: the rounding that ``torch.compile``
-    traces, and the fused path's loop (see the module's docstring). Every step is element-wise,
-    so inductor fuses them into one loop, and into the kernel that produced ``x``.
+    """:func:`round_float32` with no decision on values: the fused path's loop (see the
+    module's docstring). Every step is element-wise, so inductor fuses them into one loop.
 
     It is the carrier path without its reads: IEEE float32 addition of the carrier rounds each
     magnitude to its quantum, two products send what reached ``2**32`` to inf, and a clamp of
@@ -392,8 +391,9 @@ def round_float32_on_integers_branch_free(x: torch.Tensor) -> torch.Tensor:
 def traceable_rounding() -> Callable[[torch.Tensor], torch.Tensor]:
     """The branch-free rounding to trace into ``torch.compile`` graphs: the carrier one, or the
     integer one where inductor's C++ unsafe-math flag is on (its configuration if imported,
-    else the environment variable that sets it). Called eagerly (``cbfloat16_numerics`` asks
-    on entry): dynamo would not trace the reads.
+    else the environment variable that sets it). Called eagerly: dynamo would not trace the
+    reads. (``cbfloat16_numerics`` no longer traces a rounding: its compiled graphs call the
+    operator ``cstorch::cbfloat16_cast``, which runs :func:`round_float32`.)
 
     Example:
         >>> from torch_facade.amp import _cbfloat16_kernel

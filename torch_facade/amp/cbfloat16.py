@@ -93,39 +93,68 @@ class _RoundToCbfloat16(torch.autograd.Function):
         return grad_output.to(ctx.input_dtype)
 
 
-_TRACED_ROUNDING: list[Callable[[torch.Tensor], torch.Tensor]] = [
-    _cbfloat16_kernel.round_float32_branch_free
-]
-"""The branch-free rounding :func:`_traced_values` traces: chosen on each entry of
-:func:`cbfloat16_numerics` (``_cbfloat16_kernel.traceable_rounding``), eagerly."""
+_CAST_OPERATOR: list[Callable[[torch.Tensor], torch.Tensor]] = []
+"""``[torch.ops.cstorch.cbfloat16_cast.default]`` once :func:`_define_cast_operator` ran."""
 
 
-def _traced_values(tensor: torch.Tensor) -> torch.Tensor:
-    """The rounded values of ``tensor`` for ``torch.compile``: the branch-free rounding, traced
-    as element-wise torch operations (dtype as :func:`round_to_cbfloat16`'s)."""
-    rounded = _TRACED_ROUNDING[0](tensor.to(torch.float32))
-    return rounded.to(torch.promote_types(tensor.dtype, torch.float32))
+def _define_cast_operator() -> None:
+    """Defines the operator ``cstorch::cbfloat16_cast`` (``torch.library``), once per process:
+    :func:`cast_to_cbfloat16` as one operator of torch's library, the form in which
+    :func:`cbfloat16_numerics` puts its casts into ``torch.compile`` graphs.
+
+    Dynamo records each cast as one call of the operator, autograd's backward as another (the
+    registered backward casts the gradient with the same operator), and inductor calls the
+    eager kernel for it (:func:`_round_values`: on the CPU the loop compiled once per process)
+    rather than generating the rounding's code into the kernels around it. Traced as element-
+    wise operations instead, every cast was eleven operations in the forward graph and as many
+    in the backward one, and inductor's Python code generation of the kernels they were fused
+    into made most of a compiled GPT-2's first compilation (about 3.8 times float32's).
+
+    The result is a new float32 (float64 for a float64 input) tensor, contiguous, of the input's
+    shape: the fake implementation says so for any input, and the real one copies the few
+    results of the eager kernel that are laid out otherwise (strided inputs)."""
+    if _CAST_OPERATOR:
+        return
+    name = "cstorch::cbfloat16_cast"
+    try:
+        operator = torch.library.custom_op(name, mutates_args=())(_cast_operator_values)
+    except RuntimeError:  # defined by an earlier copy of this module (a reload): use it
+        _CAST_OPERATOR.append(torch.ops.cstorch.cbfloat16_cast.default)
+        return
+    operator.register_fake(_cast_operator_fake)
+    operator.register_autograd(_cast_operator_backward, setup_context=_cast_operator_setup)
+    _CAST_OPERATOR.append(torch.ops.cstorch.cbfloat16_cast.default)
 
 
-class _TracedRound(torch.autograd.Function):
-    """:class:`_RoundToCbfloat16` inside ``torch.compile``: traced, forward and backward."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        ctx.input_dtype = tensor.dtype
-        return _traced_values(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
-        return grad_output.to(ctx.input_dtype)
+def _cast_operator_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The implementation of ``cstorch::cbfloat16_cast`` on every device."""
+    rounded = _round_values(tensor).to(torch.promote_types(tensor.dtype, torch.float32))
+    if rounded.stride() == _contiguous_strides(rounded.shape):
+        return rounded
+    return torch.empty(rounded.shape, dtype=rounded.dtype, device=rounded.device).copy_(rounded)
 
 
-class _TracedCast(_TracedRound):
-    """:class:`_CastToCbfloat16` inside ``torch.compile``: traced, forward and backward."""
+def _cast_operator_fake(tensor: torch.Tensor) -> torch.Tensor:
+    """What ``cstorch::cbfloat16_cast`` returns, for tracing: its dtype, shape and layout."""
+    return tensor.new_empty(tensor.shape, dtype=torch.promote_types(tensor.dtype, torch.float32))
 
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
-        return _traced_values(grad_output).to(ctx.input_dtype)
+
+def _cast_operator_setup(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+    ctx.input_dtype = inputs[0].dtype
+
+
+def _cast_operator_backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+    """A cast's transpose is a cast: the gradient rounded, in the input's dtype."""
+    return _CAST_OPERATOR[0](grad_output).to(ctx.input_dtype)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class _CastToCbfloat16(_RoundToCbfloat16):
@@ -208,15 +237,16 @@ def _cast(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`cast_to_cbfloat16` of a tensor known to be float32 or float64, for the hooks of
     :func:`cbfloat16_numerics` (about 200 casts an iteration of a small GPT-2): eagerly, the
     autograd function itself, without the argument check and the boundary's wrapper; under
-    ``torch.compile``, :class:`_TracedCast`, the rounding as torch operations that dynamo traces
-    into the graph and inductor fuses (no graph break, no guard on the tensor's type).
+    ``torch.compile``, the operator ``cstorch::cbfloat16_cast`` (:func:`_define_cast_operator`),
+    one node of the graph that inductor runs as a call of the eager kernel (no graph break, no
+    guard on the tensor's type).
 
     Eagerly, a tensor that is itself one of these casts' results, unchanged since (its version
     counter as it was), is returned as it is: a ``Dropout(p=0)`` returns its input, a container
     its last submodule's output. Its values are on the grid already, and its gradient is rounded
     by the cast that made it, once all its uses are summed."""
     if torch.compiler.is_compiling():
-        return cast(torch.Tensor, _TracedCast.apply(tensor))
+        return _CAST_OPERATOR[0](tensor)
     made_at = getattr(tensor, _CAST_VERSION, None)
     if made_at is not None and made_at == tensor._version:
         return tensor
@@ -477,7 +507,7 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     hooked = _model_modules(module)
     targets = _parametrized_tensors(hooked)
     _check_dtypes(targets)
-    _TRACED_ROUNDING[0] = _cbfloat16_kernel.traceable_rounding()
+    _define_cast_operator()
     if any(getattr(owner, name).device.type == "cpu" for owner, name in targets):
         # The fused CPU rounding is compiled here, once per process, not inside a first
         # iteration: dynamo reads parametrized weights eagerly while it traces a compiled model.
