@@ -218,7 +218,11 @@ def test_checkpoints_without_the_window_load_and_bad_windows_are_refused():
         scaler.load_state_dict({"spike_applied": 2.5})
     with pytest.raises(TypeError, match="num_spike_skips must be numeric"):
         scaler.load_state_dict({"num_spike_skips": "2"})
+    with pytest.raises(ValueError, match="loss_scale"):
+        scaler.load_state_dict({"num_spike_skips": 5, "loss_scale": -1.0})
     assert int(scaler.get_num_spike_skips()) == 2  # a refused load changed nothing
+    with pytest.raises(ValueError, match=r"keys \['num_spike_skips', 'spike_applied'"):
+        cstorch.amp.GradScaler(**DLS).load_state_dict(scaler.state_dict())  # no spike_skip
 
 
 @pytest.mark.parametrize(

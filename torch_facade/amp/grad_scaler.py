@@ -342,11 +342,13 @@ class GradScaler:
                 "load_state_dict() must be called between iterations (after update()), not "
                 "between scale() and update(): the gradients were scaled with the old scale"
             )
-        spikes = self._engine.spikes
+        spikes, window = self._engine.spikes, None
         if spikes is not None and isinstance(state_dict, Mapping):
-            spikes.load(state_dict)  # checked before anything is loaded: raises on a bad window
+            window = spikes.loaded(state_dict)  # checked first: nothing loaded if it raises
             state_dict = {k: v for k, v in state_dict.items() if k not in SPIKE_STATE_KEYS}
         self._engine.load(_torch_checkpoint.to_facade_format(state_dict, self._config))
+        if spikes is not None and window is not None:
+            spikes.adopt_host(window)
 
     def _busy(self) -> bool:
         stepping = any(s is not _Stage.READY for s in self._stages.values())

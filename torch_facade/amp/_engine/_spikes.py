@@ -138,6 +138,16 @@ class SpikeWindow:
             ValueError: a window of another length, a count out of range.
             TypeError: a value that is not numeric.
         """
+        self.adopt_host(self.loaded(state_dict))
+
+    def adopt_host(self, packed: np.ndarray) -> None:
+        """Adopts a packed window on the host (from :meth:`loaded`)."""
+        self._array = packed
+        self.device = None
+        self._view = None
+
+    def loaded(self, state_dict: Mapping[str, Any]) -> np.ndarray:
+        """The packed window :meth:`load` would adopt, checked, without adopting it."""
         packed = self.host()
         window = self.spike_skip.window
         if "spike_window" in state_dict:
@@ -158,9 +168,7 @@ class SpikeWindow:
                 packed[index] = int(value)
         packed[window + 2] = 0  # no step decided since the load
         packed[window + 3] = np.array(np.inf, np.float32).view(np.int32)
-        self._array = packed
-        self.device = None
-        self._view = None
+        return packed
 
 
 def _numeric(key: str, value: Any) -> np.ndarray:
