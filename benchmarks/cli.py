@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--full",
         action="store_true",
         help=f"the documented run: sizes {','.join(FULL_SIZES)}, {FULL_ROUNDS} rounds, the step "
-        "section at M, the cbfloat16 section's float16 autocast rows (about 20 minutes on 2 "
+        "section at M, the cbfloat16 section's float16 autocast rows, every memory variant in "
+        "3 processes (about 25 minutes on 2 "
         f"cores; default: the quick run, sizes {','.join(QUICK_SIZES)}, {QUICK_ROUNDS} rounds, "
         "the step section at S, about 5 minutes)",
     )
