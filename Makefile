@@ -46,7 +46,7 @@ format: $(STAMP)
 
 # tests/test_packaging.py builds both artifacts too (in a temporary folder) and checks them.
 test: lint typecheck
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --durations=25
 
 # The sdist and the wheel, checked by twine, in dist/.
 dist: $(STAMP)
