@@ -1,4 +1,4 @@
-"""One rank of the 2-process DDP job of ``test_spike_skip.py``: spike skipping across ranks.
+"""One rank of the 2-process DDP job of ``test_facade_spike_skip.py``: spike skipping across ranks.
 
 Run as a script::
 

@@ -8,7 +8,7 @@ default run applies that step; the runs with ``spike_skip=cstorch.amp.SpikeSkip(
 Printed: the held-out loss just before the bad step, just after it, 10 steps after it and at the
 end, for each run (docs/pytorch/spike-skip.md quotes them).
 
-    PYTHONPATH=. python tests/torch_facade/spike_skip_demo.py --steps 400 --bad-step 300
+    PYTHONPATH=. python tests/torch_facade/facade_spike_skip_demo.py --steps 400 --bad-step 300
 """
 
 from __future__ import annotations

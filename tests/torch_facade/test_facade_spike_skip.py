@@ -361,8 +361,8 @@ def test_a_compiled_train_step_skips_the_same_spike_as_eager(metric):
 
 
 def test_a_planted_bad_batch_hurts_the_default_run_and_not_the_spike_skipping_one():
-    """A 52-step version of tests/torch_facade/spike_skip_demo.py (docs/pytorch/spike-skip.md)."""
-    from spike_skip_demo import train
+    """A 52-step version of tests/torch_facade/facade_spike_skip_demo.py (docs/pytorch/spike-skip.md)."""
+    from facade_spike_skip_demo import train
 
     default = train(None, steps=52, bad_step=40, factor=300.0)
     skipping = train(cstorch.amp.SpikeSkip(window=16), steps=52, bad_step=40, factor=300.0)
