@@ -46,17 +46,13 @@ class Result:
     first_nonfinite_step: int | None
 
 
-def train(
-    row: str, seed: int, steps: int, batch_size: int = 16, eval_windows: int = 128
-) -> Result:
+def train(row: str, seed: int, steps: int, batch_size: int = 16, eval_windows: int = 128) -> Result:
     """Trains ``row`` (``"float32"``, ``"float16"``, ``"float16+masters"``, ``"bfloat16"``,
     ``"bfloat16+masters"``) for ``steps`` steps of ``batch_size`` windows from the demo's
     weights of ``seed``; the held-out loss is measured on ``eval_windows`` windows."""
     dtype_name, _, masters = row.partition("+")
     dtype = DTYPES[dtype_name]
-    settings = Settings(
-        steps=steps, seed=seed, batch_size=batch_size, eval_windows=eval_windows
-    )
+    settings = Settings(steps=steps, seed=seed, batch_size=batch_size, eval_windows=eval_windows)
     corpus = load_corpus()
     batches, held_out = training_windows(corpus, settings), held_out_windows(corpus, settings)
     model = make_model(settings.size, seed).to(dtype)  # as from_pretrained(torch_dtype=...)

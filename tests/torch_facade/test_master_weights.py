@@ -456,9 +456,7 @@ def test_a_gpt2_held_in_half_precision_trains_like_float32_only_with_masters():
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="GradScaler is unscaling gradients")
-        results = {
-            row: train(row, seed=0, steps=20, batch_size=4, eval_windows=32) for row in ROWS
-        }
+        results = {row: train(row, seed=0, steps=20, batch_size=4, eval_windows=32) for row in ROWS}
     reference = results["float32"].held_out_loss
     for dtype in ("float16", "bfloat16"):
         assert abs(results[f"{dtype}+masters"].held_out_loss - reference) < 0.005
