@@ -72,16 +72,6 @@ def kill_at(worker: Path, directory: Path, step: int) -> None:
     assert process.returncode == -signal.SIGKILL
 
 
-def shared_compilation_cache(folder: Path) -> dict[str, str]:
-    """The environment that gives JAX processes one persistent compilation cache in ``folder``,
-    every compiled program kept (runs of one worker compile the same programs)."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(folder),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
 class ForkedRuns:
     """``start``/``finish``/``kill_at`` for one worker, each run forked from one server that has
     imported ``preload`` (the worker's own imports) on CPU, with the worker's folder importable.

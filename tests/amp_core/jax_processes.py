@@ -27,6 +27,16 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR_", "JAX_LOCAL_DEVICE_IDS")
 
 
+def shared_compilation_cache(folder: Path) -> dict[str, str]:
+    """The environment that gives JAX processes one persistent compilation cache in ``folder``,
+    every compiled program kept (runs of one worker compile the same programs)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(folder),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Worker:
     """One process of a launch.

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import _jax_resume_worker as worker
 import pytest
+from jax_processes import shared_compilation_cache
 
-from tests.resume_helpers import ForkedRuns, progress, shared_compilation_cache
+from tests.resume_helpers import ForkedRuns, progress
 
 WORKER = Path(__file__).with_name("_jax_resume_worker.py")
 # The worker's imports (no torch): what each forked run starts from.
