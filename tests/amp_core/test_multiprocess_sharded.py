@@ -40,7 +40,7 @@ from typing import Any
 import _jax_sharded_worker as worker
 import numpy as np
 import pytest
-from jax_processes import Worker, assert_same_bits, run_workers
+from jax_processes import Worker, assert_same_bits, run_workers, shared_compilation_cache
 
 from workbench.processes import free_port
 
@@ -98,18 +98,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def npz(name: str) -> str:
         return str(out / f"{name}.npz")
 
+    # One compilation cache for every process: the second launch's jobs run the first's
+    # programs on the same layouts (2 x 2, 1 x 4) and load them instead of compiling them.
+    cache = shared_compilation_cache(out / "jax-cache")
     oracle_port, save_port, slurm_port = free_port(), free_port(), free_port()
     first = [
         Worker(
             "oracle",
             ["train", npz("oracle"), checkpoints, "explicit", str(oracle_port), "0", "1"],
             worker.DEVICES,
+            env=cache,
         ),
         *(
             Worker(
                 name,
                 ["save", npz(name), checkpoints, "explicit", str(save_port), str(i), "2"],
                 2,
+                env=cache,
                 ready_file=out / f"{name}.npz.saved",
             )
             for i, name in enumerate(SAVERS)
@@ -119,7 +124,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 f"slurm{i}",
                 ["train", npz(f"slurm{i}"), checkpoints, "slurm"],
                 1,
-                env=slurm_environment(slurm_port, i),
+                env={**cache, **slurm_environment(slurm_port, i)},
             )
             for i in range(SLURM_PROCESSES)
         ),
@@ -129,7 +134,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     second = [
         *(
             Worker(
-                name, ["resume", npz(name), checkpoints, "explicit", resume_port, str(i), "2"], 2
+                name,
+                ["resume", npz(name), checkpoints, "explicit", resume_port, str(i), "2"],
+                2,
+                env=cache,
             )
             for i, name in enumerate(RESUMERS)
         ),
@@ -137,8 +145,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "resume_single",
             ["resume", npz("resume_single"), checkpoints, "explicit", single_port, "0", "1"],
             worker.DEVICES,
+            env=cache,
         ),
-        Worker("plain", ["train", npz("plain"), checkpoints], worker.DEVICES),
+        Worker("plain", ["train", npz("plain"), checkpoints], worker.DEVICES, env=cache),
     ]
     status.update(run_workers(WORKER, second, out, TIMEOUT_S))
     loaded = {w.name: load(out, w.name) for w in [*first, *second]}
