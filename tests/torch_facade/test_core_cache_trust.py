@@ -22,6 +22,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,36 +39,73 @@ _STRANGER = 4242  # owns the foreign folders (only root can give a file to anoth
 _CORE_NAME = "trust test double_sum"
 
 _CHILD = """
-import json, os, sys, warnings
+import json, os, sys, traceback, warnings
 import jax, jax.numpy as jnp
 from jax.experimental import serialize_executable  # imported before root is given up
 from torch_facade.amp._engine import _core_cache
-ones_3, ones_2 = jnp.ones(3), (jnp.ones(2), jnp.ones(2))  # made (compiled) before counting
-uid, gid = {uid}, {gid}
-if os.geteuid() != uid:
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-events = []
-jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **kw: events.append(name))
-report = {{"uid": os.geteuid()}}
-for label, folder in json.loads(sys.argv[1]):
-    def double_sum(xs):  # a new function each time: no compile is shared between scenarios
-        return sum(2 * x for x in xs)
-    os.environ["CSTORCH_AMP_CACHE_DIR"] = folder
-    before = len(events)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jitted = jax.jit(double_sum)
-        first = _core_cache.persistent(jitted, {name!r})(ones_3)
-        # a second core and a second structure in the same folder: still one warning
-        second = _core_cache.persistent(jitted, {name!r} + " again")(ones_2)
-    report[label] = {{
-        "compiles": events[before:].count("/jax/core/compile/backend_compile_duration"),
-        "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
-        "values": [first.tolist(), second.tolist()],
-    }}
-print(json.dumps(report))
+
+def run_scenarios():
+    ones_3, ones_2 = jnp.ones(3), (jnp.ones(2), jnp.ones(2))  # made (compiled) before counting
+    uid, gid = {uid}, {gid}
+    if os.geteuid() != uid:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name)
+    )
+    report = {{"uid": os.geteuid()}}
+    for label, folder in json.loads(sys.argv[1]):
+        def double_sum(xs):  # a new function each time: no compile is shared between scenarios
+            return sum(2 * x for x in xs)
+        os.environ["CSTORCH_AMP_CACHE_DIR"] = folder
+        before = len(events)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jitted = jax.jit(double_sum)
+            first = _core_cache.persistent(jitted, {name!r})(ones_3)
+            # a second core and a second structure in the same folder: still one warning
+            second = _core_cache.persistent(jitted, {name!r} + " again")(ones_2)
+        report[label] = {{
+            "compiles": events[before:].count("/jax/core/compile/backend_compile_duration"),
+            "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
+            "values": [first.tolist(), second.tolist()],
+        }}
+    return report
+
+def forked(count):
+    # The scenarios in ``count`` processes forked at once (JAX not started yet in this one:
+    # each starts its own), as the processes of one job; their reports once all have ended.
+    children = []
+    for _ in range(count):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            code = 0
+            try:
+                data = json.dumps(run_scenarios()).encode()
+            except BaseException:
+                data, code = traceback.format_exc().encode(), 1
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(data)
+            os._exit(code)
+        os.close(write)
+        children.append((pid, read))
+    reports = []
+    for pid, read in children:
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, data
+        reports.append(json.loads(data))
+    return reports
+
+if len(sys.argv) > 2:  # waves of processes: each wave forked at once, after the previous ended
+    print(json.dumps([forked(count) for count in json.loads(sys.argv[2])]))
+else:
+    print(json.dumps(run_scenarios()))
 """
 
 
@@ -132,12 +170,17 @@ def _entry(path: Path, data: bytes, mode: int = 0o600, owner: int = _CHILD_UID) 
     return path
 
 
-def _child(scenarios: list[tuple[str, Path]]) -> subprocess.Popen[str]:
+def _child(
+    scenarios: list[tuple[str, Path]], waves: list[int] | None = None
+) -> subprocess.Popen[str]:
+    """A child that runs ``scenarios``; with ``waves``, in processes it forks: ``waves[i]`` of
+    them at once, each wave once the previous has ended (its report: one list per wave)."""
     environment = dict(os.environ, PYTHONPATH=str(REPO), HOME=tempfile.gettempdir())
     code = _CHILD.format(uid=_CHILD_UID, gid=_CHILD_GID, name=_CORE_NAME)
     scenario_list = json.dumps([(label, str(folder)) for label, folder in scenarios])
+    forks = [] if waves is None else [json.dumps(waves)]
     return subprocess.Popen(
-        [sys.executable, "-c", code, scenario_list],
+        [sys.executable, "-c", code, scenario_list, *forks],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -146,11 +189,12 @@ def _child(scenarios: list[tuple[str, Path]]) -> subprocess.Popen[str]:
     )
 
 
-def _report(child: subprocess.Popen[str]) -> dict:
+def _report(child: subprocess.Popen[str]) -> Any:
     out, err = child.communicate(timeout=300)
     assert child.returncode == 0, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
-    assert report["uid"] == _CHILD_UID and report["uid"] != 0
+    for each in [r for wave in report for r in wave] if isinstance(report, list) else [report]:
+        assert each["uid"] == _CHILD_UID and each["uid"] != 0
     return report
 
 
@@ -288,14 +332,17 @@ def test_a_folder_or_an_entry_of_another_user_is_not_read(base, genuine):
 
 
 def test_processes_starting_at_once_on_a_cold_cache_share_it(base):
-    """Four processes (as ranks starting together) on one empty folder of their user's: each
-    computes, none warns, and the folder ends with one whole entry per core, no leftovers."""
+    """Four processes (as ranks starting together: forked at once by one child, each starting
+    JAX itself) on one empty folder of their user's: each computes, none warns, and the folder
+    ends with one whole entry per core, no leftovers; a fifth, forked once they have ended,
+    loads both entries."""
     shared = _folder(base / "cold", 0o700)
-    children = [_child([("cold", shared)]) for _ in range(4)]
-    reports = [_report(child)["cold"] for child in children]
+    together, later = _report(_child([("cold", shared)], waves=[4, 1]))
+    reports = [report["cold"] for report in together]
+    assert len(reports) == 4
     assert all(r["warnings"] == [] and r["values"] == [6.0, [4.0, 4.0]] for r in reports)
     entries = sorted(os.listdir(shared))
     assert len(entries) == 2 and all(entry.endswith(".xla") for entry in entries)
     assert all(os.stat(shared / entry).st_mode & 0o777 == 0o600 for entry in entries)
-    after = _run_child([("cold", shared)])["cold"]  # a later run loads both: compiles nothing
+    after = later[0]["cold"]  # a later run loads both: compiles nothing
     assert after == {"compiles": 0, "warnings": [], "values": [6.0, [4.0, 4.0]]}
