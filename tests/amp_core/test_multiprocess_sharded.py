@@ -1,7 +1,8 @@
 """JAX across processes as clusters run it: started from SLURM variables, sharded, checkpointed.
 
 Two launches of ``_jax_sharded_worker.py`` (each process on the CPU, gloo over 127.0.0.1, every
-rendezvous and the whole launch under a timeout). Every process trains two stacks on the same
+rendezvous and the whole launch under a timeout; each process forked from one that has imported
+the worker's modules). Every process trains two stacks on the same
 global batches, plain optax and flax NNX (``nnx.with_partitioning``), float16 with dynamic loss
 scaling, over a ``("data", "fsdp")`` mesh of 4 devices: parameters and Adam moments sharded over
 ``"fsdp"``, the batch over both axes, a NaN input in one process's rows at step 3 and a
@@ -48,6 +49,11 @@ WORKER = Path(worker.__file__).resolve()
 shared = worker.shared
 TIMEOUT_S = 300.0  # a launch: the first used 62 s of CPU, 109 s of wall on 2 cores loaded 6-fold
 SLURM_PROCESSES = 4
+# The worker's imports: each process is forked from one that has imported them (no JAX backend
+# started), instead of paying them in each of the 11 fresh interpreters.
+PRELOAD = ("jax", "jax.numpy", "numpy", "optax", "orbax.checkpoint", "flax.nnx")
+PRELOAD += ("jax.experimental.multihost_utils", "amp_core", "amp_core.flax_nnx")
+PRELOAD += ("_jax_multiprocess_worker",)
 SAVERS = ("save0", "save1")
 RESUMERS = ("resume0", "resume1")
 # plain against the oracle: |difference| <= TOLERANCE * max |oracle value|, leaf by leaf. The
@@ -129,7 +135,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for i in range(SLURM_PROCESSES)
         ),
     ]
-    status = run_workers(WORKER, first, out, TIMEOUT_S)
+    status = run_workers(WORKER, first, out, TIMEOUT_S, PRELOAD)
     resume_port, single_port = str(free_port()), str(free_port())
     second = [
         *(
@@ -149,7 +155,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         Worker("plain", ["train", npz("plain"), checkpoints], worker.DEVICES, env=cache),
     ]
-    status.update(run_workers(WORKER, second, out, TIMEOUT_S))
+    status.update(run_workers(WORKER, second, out, TIMEOUT_S, PRELOAD))
     loaded = {w.name: load(out, w.name) for w in [*first, *second]}
     for name, code in status.items():
         loaded[name]["status"] = code
