@@ -9,6 +9,10 @@ the 3-4 s of CPU the imports cost each time. The scripts run one at a time.
 Environment variables given to a script are set in ``os.environ`` before its first line: right
 for what is read when it is used (the JAX memory settings, the facade's cache folder, ``HOME``),
 not for what an import reads (those go to the server's own environment).
+
+:class:`ForkLauncher` does the same for processes that must run at once (the ranks of a job):
+``tests/fork_launcher.py`` imports their modules, then forks all of them; each
+:class:`ForkedWorker` is watched and killed as a ``subprocess.Popen`` child would be.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -137,3 +142,91 @@ class ForkedPython:
         assert self._server.stdin is not None
         self._server.stdin.close()
         self._server.wait(timeout=60)
+
+
+LAUNCHER = REPO / "tests" / "fork_launcher.py"
+
+
+class ForkLauncher:
+    """``tests/fork_launcher.py`` running one launch: workers forked at once from a process that
+    has imported ``preload``; which worker has which pid, which has ended with which status.
+
+    Args:
+        script: what each worker runs as ``__main__``.
+        workers: one ``{"name", "args", "env", "log"}`` per worker (``env``: its whole
+            environment; ``log``: its output).
+        preload: the modules the launcher imports before it forks.
+        env: the launcher's environment (what the workers' imports read).
+    """
+
+    def __init__(
+        self,
+        script: Path,
+        workers: list[dict[str, Any]],
+        preload: Iterable[str],
+        env: dict[str, str],
+    ) -> None:
+        self.pids: dict[str, int] = {}
+        self.codes: dict[str, int] = {}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(LAUNCHER), str(script), *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(workers) + "\n")
+        self.proc.stdin.close()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            event, name, value = line.split()
+            (self.pids if event == "started" else self.codes)[name] = int(value)
+
+    def close(self) -> None:
+        """Waits for the launcher (it ends once every worker has)."""
+        self.proc.wait(timeout=60)
+
+
+class ForkedWorker:
+    """One worker of a :class:`ForkLauncher`, seen as ``subprocess.Popen`` sees a child."""
+
+    def __init__(self, launcher: ForkLauncher, name: str) -> None:
+        self._launcher, self.name = launcher, name
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status (``-9`` once killed with SIGKILL); ``None`` while it runs."""
+        return self._launcher.codes.get(self.name)
+
+    def poll(self) -> int | None:
+        """Its exit status, or ``None`` while it runs (1 if the launcher itself failed)."""
+        if self.returncode is None and self._launcher.proc.poll() not in (None, 0):
+            self._launcher.codes[self.name] = 1
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Sends ``sig`` to it once it has started, unless it has ended."""
+        deadline = time.monotonic() + 60
+        while self.name not in self._launcher.pids and self.poll() is None:
+            assert time.monotonic() < deadline, f"{self.name} never started"
+            time.sleep(0.01)
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._launcher.pids[self.name], sig)
+
+    def kill(self) -> None:
+        """Kills it with SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self) -> int:
+        """Waits until it has ended; its exit status."""
+        deadline = time.monotonic() + 60
+        while self.poll() is None:
+            assert time.monotonic() < deadline, f"{self.name} did not end"
+            time.sleep(0.01)
+        return int(self.returncode or 0)

@@ -10,20 +10,17 @@ the deadline.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from tests.forked_python import ForkedWorker, ForkLauncher
 from workbench.processes import REPO_ROOT, repo_environment
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -78,86 +75,6 @@ def worker_environment(host_devices: int, extra: Mapping[str, str]) -> dict[str,
     return env
 
 
-LAUNCHER = Path(__file__).with_name("_fork_launcher.py")
-
-
-class _ForkLauncher:
-    """``_fork_launcher.py`` running one launch: which worker has which pid, which has ended."""
-
-    def __init__(
-        self, script: Path, workers: Sequence[Worker], log_dir: Path, preload: Sequence[str]
-    ) -> None:
-        first = dict(workers[0].env)
-        shared = {k: v for k, v in first.items() if all(w.env.get(k) == v for w in workers)}
-        self.pids: dict[str, int] = {}
-        self.codes: dict[str, int] = {}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), str(script), *preload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=worker_environment(1, shared),
-            cwd=REPO_ROOT,
-        )
-        specs = [
-            {
-                "name": w.name,
-                "args": list(w.args),
-                "env": worker_environment(w.host_devices, w.env),
-                "log": str(log_dir / f"{w.name}.log"),
-            }
-            for w in workers
-        ]
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(specs) + "\n")
-        self.proc.stdin.close()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            event, name, value = line.split()
-            (self.pids if event == "started" else self.codes)[name] = int(value)
-
-    def close(self) -> None:
-        self.proc.wait(timeout=60)
-
-
-class _ForkedWorker:
-    """One forked worker, seen as ``subprocess.Popen`` sees a child (what ``run_workers`` uses)."""
-
-    def __init__(self, launcher: _ForkLauncher, name: str) -> None:
-        self._launcher, self.name = launcher, name
-
-    @property
-    def returncode(self) -> int | None:
-        return self._launcher.codes.get(self.name)
-
-    def poll(self) -> int | None:
-        if self.returncode is None and self._launcher.proc.poll() not in (None, 0):
-            self._launcher.codes[self.name] = 1  # the launcher itself failed
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        deadline = time.monotonic() + 60
-        while self.name not in self._launcher.pids and self.poll() is None:
-            assert time.monotonic() < deadline, f"{self.name} never started"
-            time.sleep(0.01)
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._launcher.pids[self.name], sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait(self) -> int:
-        deadline = time.monotonic() + 60
-        while self.poll() is None:
-            assert time.monotonic() < deadline, f"{self.name} did not end"
-            time.sleep(0.01)
-        return int(self.returncode or 0)
-
-
 def run_workers(
     script: Path,
     workers: Sequence[Worker],
@@ -173,7 +90,7 @@ def run_workers(
         log_dir: where each worker's stdout and stderr go.
         timeout_s: the deadline for the whole launch.
         preload: modules to import once: each worker is then forked from a process that has
-            imported them (``_fork_launcher.py``) instead of starting a fresh interpreter.
+            imported them (``tests/fork_launcher.py``) instead of starting a fresh interpreter.
             Variables read at import (``JAX_*`` options) must be the same for every worker.
 
     Returns:
@@ -183,16 +100,29 @@ def run_workers(
         AssertionError: a worker failed, or the launch passed its deadline; with the tail of
             every worker's log.
     """
-    procs: dict[str, subprocess.Popen[bytes] | _ForkedWorker] = {}
+    procs: dict[str, subprocess.Popen[bytes] | ForkedWorker] = {}
     to_kill = [w for w in workers if w.ready_file is not None]
     must_be_killed = {w.name for w in to_kill}
     killed: set[str] = set()
     problem = ""
-    launcher = _ForkLauncher(script, workers, log_dir, preload) if preload else None
+    launcher = None
+    if preload:
+        first = dict(workers[0].env)
+        shared = {k: v for k, v in first.items() if all(w.env.get(k) == v for w in workers)}
+        specs = [
+            {
+                "name": w.name,
+                "args": list(w.args),
+                "env": worker_environment(w.host_devices, w.env),
+                "log": str(log_dir / f"{w.name}.log"),
+            }
+            for w in workers
+        ]
+        launcher = ForkLauncher(script, specs, preload, worker_environment(1, shared))
     try:
         for worker in workers:
             if launcher is not None:
-                procs[worker.name] = _ForkedWorker(launcher, worker.name)
+                procs[worker.name] = ForkedWorker(launcher, worker.name)
                 continue
             with open(log_dir / f"{worker.name}.log", "wb") as log:
                 procs[worker.name] = subprocess.Popen(

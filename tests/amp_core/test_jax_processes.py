@@ -1,7 +1,7 @@
 """The launch helper of the multi-process tests: a failure ends the launch, ready workers die.
 
 Plain Python children (no JAX), so each test costs a few process starts. Each test runs twice:
-every worker a fresh interpreter, and every worker forked from ``_fork_launcher.py`` (the
+every worker a fresh interpreter, and every worker forked from ``tests/fork_launcher.py`` (the
 ``preload`` path of ``run_workers``).
 """
 

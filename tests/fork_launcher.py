@@ -1,6 +1,7 @@
 """Starts a launch's workers at once, each forked from this process once it has imported theirs.
 
-``python _fork_launcher.py SCRIPT MODULE...`` imports the modules named (the workers' heavy
+``python fork_launcher.py SCRIPT MODULE...`` puts ``SCRIPT``'s folder first on the path (as
+``python SCRIPT`` does), imports the modules named (the workers' heavy
 imports: JAX, flax, optax, orbax... but no JAX backend is started), then reads one JSON line
 from standard input: a list of ``{"name", "args", "env", "log"}``. It forks one process per
 worker, which takes ``env`` as its whole environment, writes its output to ``log`` and runs
@@ -48,6 +49,7 @@ def _run_worker(script: str, args: list[str], env: dict[str, str], log: str) -> 
 
 def main(script: str, preload: list[str]) -> None:
     """Preloads ``preload``, then forks and watches the workers read from standard input."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     for name in preload:
         importlib.import_module(name)
     workers = json.loads(sys.stdin.readline())
