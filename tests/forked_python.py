@@ -168,6 +168,8 @@ class ForkLauncher:
     ) -> None:
         self.pids: dict[str, int] = {}
         self.codes: dict[str, int] = {}
+        for worker in workers:  # there to read even if the launcher fails before it forks
+            Path(worker["log"]).touch()
         self.proc = subprocess.Popen(
             [sys.executable, str(LAUNCHER), str(script), *preload],
             stdin=subprocess.PIPE,
