@@ -20,11 +20,22 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.forked_python import ForkedWorker, ForkLauncher
 from workbench.processes import REPO_ROOT, repo_environment
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Variables through which jax.distributed.initialize() finds a cluster by itself.
 CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR_", "JAX_LOCAL_DEVICE_IDS")
+
+
+def shared_compilation_cache(folder: Path) -> dict[str, str]:
+    """The environment that gives JAX processes one persistent compilation cache in ``folder``,
+    every compiled program kept (runs of one worker compile the same programs)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(folder),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +76,11 @@ def worker_environment(host_devices: int, extra: Mapping[str, str]) -> dict[str,
 
 
 def run_workers(
-    script: Path, workers: Sequence[Worker], log_dir: Path, timeout_s: float
+    script: Path,
+    workers: Sequence[Worker],
+    log_dir: Path,
+    timeout_s: float,
+    preload: Sequence[str] = (),
 ) -> dict[str, int]:
     """Starts every worker at once and waits until each has exited or been killed.
 
@@ -74,6 +89,9 @@ def run_workers(
         workers: the launch.
         log_dir: where each worker's stdout and stderr go.
         timeout_s: the deadline for the whole launch.
+        preload: modules to import once: each worker is then forked from a process that has
+            imported them (``tests/fork_launcher.py``) instead of starting a fresh interpreter.
+            Variables read at import (``JAX_*`` options) must be the same for every worker.
 
     Returns:
         name -> exit status (``-9`` for the workers killed at their ready file).
@@ -82,13 +100,30 @@ def run_workers(
         AssertionError: a worker failed, or the launch passed its deadline; with the tail of
             every worker's log.
     """
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs: dict[str, subprocess.Popen[bytes] | ForkedWorker] = {}
     to_kill = [w for w in workers if w.ready_file is not None]
     must_be_killed = {w.name for w in to_kill}
     killed: set[str] = set()
     problem = ""
+    launcher = None
+    if preload:
+        first = dict(workers[0].env)
+        shared = {k: v for k, v in first.items() if all(w.env.get(k) == v for w in workers)}
+        specs = [
+            {
+                "name": w.name,
+                "args": list(w.args),
+                "env": worker_environment(w.host_devices, w.env),
+                "log": str(log_dir / f"{w.name}.log"),
+            }
+            for w in workers
+        ]
+        launcher = ForkLauncher(script, specs, preload, worker_environment(1, shared))
     try:
         for worker in workers:
+            if launcher is not None:
+                procs[worker.name] = ForkedWorker(launcher, worker.name)
+                continue
             with open(log_dir / f"{worker.name}.log", "wb") as log:
                 procs[worker.name] = subprocess.Popen(
                     [sys.executable, str(script), *worker.args],
@@ -124,6 +159,8 @@ def run_workers(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if launcher is not None:
+            launcher.close()
     if problem:
         tails = "\n".join(
             f"--- {name} (exit {proc.returncode}) ---\n"
@@ -131,7 +168,7 @@ def run_workers(
             for name, proc in procs.items()
         )
         raise AssertionError(f"launch {problem}\n{tails}")
-    return {name: int(proc.returncode) for name, proc in procs.items()}
+    return {name: int(proc.returncode) for name, proc in procs.items()}  # type: ignore[arg-type]
 
 
 def assert_same_bits(actual: np.ndarray, expected: np.ndarray, key: str) -> None:

@@ -1,7 +1,8 @@
 """JAX across processes as clusters run it: started from SLURM variables, sharded, checkpointed.
 
 Two launches of ``_jax_sharded_worker.py`` (each process on the CPU, gloo over 127.0.0.1, every
-rendezvous and the whole launch under a timeout). Every process trains two stacks on the same
+rendezvous and the whole launch under a timeout; each process forked from one that has imported
+the worker's modules). Every process trains two stacks on the same
 global batches, plain optax and flax NNX (``nnx.with_partitioning``), float16 with dynamic loss
 scaling, over a ``("data", "fsdp")`` mesh of 4 devices: parameters and Adam moments sharded over
 ``"fsdp"``, the batch over both axes, a NaN input in one process's rows at step 3 and a
@@ -40,7 +41,7 @@ from typing import Any
 import _jax_sharded_worker as worker
 import numpy as np
 import pytest
-from jax_processes import Worker, assert_same_bits, run_workers
+from jax_processes import Worker, assert_same_bits, run_workers, shared_compilation_cache
 
 from workbench.processes import free_port
 
@@ -48,6 +49,11 @@ WORKER = Path(worker.__file__).resolve()
 shared = worker.shared
 TIMEOUT_S = 300.0  # a launch: the first used 62 s of CPU, 109 s of wall on 2 cores loaded 6-fold
 SLURM_PROCESSES = 4
+# The worker's imports: each process is forked from one that has imported them (no JAX backend
+# started), instead of paying them in each of the 11 fresh interpreters.
+PRELOAD = ("jax", "jax.numpy", "numpy", "optax", "orbax.checkpoint", "flax.nnx")
+PRELOAD += ("jax.experimental.multihost_utils", "amp_core", "amp_core.flax_nnx")
+PRELOAD += ("_jax_multiprocess_worker",)
 SAVERS = ("save0", "save1")
 RESUMERS = ("resume0", "resume1")
 # plain against the oracle: |difference| <= TOLERANCE * max |oracle value|, leaf by leaf. The
@@ -98,18 +104,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def npz(name: str) -> str:
         return str(out / f"{name}.npz")
 
+    # One compilation cache for every process: the second launch's jobs run the first's
+    # programs on the same layouts (2 x 2, 1 x 4) and load them instead of compiling them.
+    cache = shared_compilation_cache(out / "jax-cache")
     oracle_port, save_port, slurm_port = free_port(), free_port(), free_port()
     first = [
         Worker(
             "oracle",
             ["train", npz("oracle"), checkpoints, "explicit", str(oracle_port), "0", "1"],
             worker.DEVICES,
+            env=cache,
         ),
         *(
             Worker(
                 name,
                 ["save", npz(name), checkpoints, "explicit", str(save_port), str(i), "2"],
                 2,
+                env=cache,
                 ready_file=out / f"{name}.npz.saved",
             )
             for i, name in enumerate(SAVERS)
@@ -119,17 +130,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 f"slurm{i}",
                 ["train", npz(f"slurm{i}"), checkpoints, "slurm"],
                 1,
-                env=slurm_environment(slurm_port, i),
+                env={**cache, **slurm_environment(slurm_port, i)},
             )
             for i in range(SLURM_PROCESSES)
         ),
     ]
-    status = run_workers(WORKER, first, out, TIMEOUT_S)
+    status = run_workers(WORKER, first, out, TIMEOUT_S, PRELOAD)
     resume_port, single_port = str(free_port()), str(free_port())
     second = [
         *(
             Worker(
-                name, ["resume", npz(name), checkpoints, "explicit", resume_port, str(i), "2"], 2
+                name,
+                ["resume", npz(name), checkpoints, "explicit", resume_port, str(i), "2"],
+                2,
+                env=cache,
             )
             for i, name in enumerate(RESUMERS)
         ),
@@ -137,10 +151,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "resume_single",
             ["resume", npz("resume_single"), checkpoints, "explicit", single_port, "0", "1"],
             worker.DEVICES,
+            env=cache,
         ),
-        Worker("plain", ["train", npz("plain"), checkpoints], worker.DEVICES),
+        Worker("plain", ["train", npz("plain"), checkpoints], worker.DEVICES, env=cache),
     ]
-    status.update(run_workers(WORKER, second, out, TIMEOUT_S))
+    status.update(run_workers(WORKER, second, out, TIMEOUT_S, PRELOAD))
     loaded = {w.name: load(out, w.name) for w in [*first, *second]}
     for name, code in status.items():
         loaded[name]["status"] = code

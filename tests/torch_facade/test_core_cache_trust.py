@@ -4,7 +4,8 @@ Loading an entry runs its code (it is a pickle and an executable), so an entry a
 could have written must never be read. The scenarios run in a child process as a user who is
 not root (``nobody`` when the suite runs as root: the child starts as root, imports what it
 needs, then gives up root with ``os.setresuid``), since root may write any folder and a
-read-only folder would not be read-only to it.
+read-only folder would not be read-only to it. Each child is forked from one process that has
+imported those modules (``tests/forked_python.py``): a fresh process without the imports' cost.
 
 The oracle that nothing was unpickled: entries whose pickle, once loaded, creates a marker
 (``os.mkdir(marker)``). A control scenario shows that such an entry, in a folder of the
@@ -17,17 +18,16 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import pytest
-from facade_helpers import REPO
 
+from tests.forked_python import ForkedPython, last_json
 from torch_facade.amp._engine import _core_cache
 
 _ROOT = os.geteuid() == 0
@@ -37,37 +37,79 @@ _CHILD_GID = _NOBODY if _ROOT else os.getegid()
 _STRANGER = 4242  # owns the foreign folders (only root can give a file to another user)
 _CORE_NAME = "trust test double_sum"
 
+# What the child imports, as root (the server it is forked from has imported them already).
+_CHILD_IMPORTS = (
+    "json", "os", "sys", "traceback", "warnings", "jax", "jax.numpy",
+    "jax.experimental.serialize_executable", "torch_facade.amp._engine._core_cache",
+)  # fmt: skip
 _CHILD = """
-import json, os, sys, warnings
+import json, os, sys, traceback, warnings
 import jax, jax.numpy as jnp
 from jax.experimental import serialize_executable  # imported before root is given up
 from torch_facade.amp._engine import _core_cache
-ones_3, ones_2 = jnp.ones(3), (jnp.ones(2), jnp.ones(2))  # made (compiled) before counting
-uid, gid = {uid}, {gid}
-if os.geteuid() != uid:
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-events = []
-jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **kw: events.append(name))
-report = {{"uid": os.geteuid()}}
-for label, folder in json.loads(sys.argv[1]):
-    def double_sum(xs):  # a new function each time: no compile is shared between scenarios
-        return sum(2 * x for x in xs)
-    os.environ["CSTORCH_AMP_CACHE_DIR"] = folder
-    before = len(events)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jitted = jax.jit(double_sum)
-        first = _core_cache.persistent(jitted, {name!r})(ones_3)
-        # a second core and a second structure in the same folder: still one warning
-        second = _core_cache.persistent(jitted, {name!r} + " again")(ones_2)
-    report[label] = {{
-        "compiles": events[before:].count("/jax/core/compile/backend_compile_duration"),
-        "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
-        "values": [first.tolist(), second.tolist()],
-    }}
-print(json.dumps(report))
+
+def run_scenarios():
+    ones_3, ones_2 = jnp.ones(3), (jnp.ones(2), jnp.ones(2))  # made (compiled) before counting
+    uid, gid = {uid}, {gid}
+    if os.geteuid() != uid:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name)
+    )
+    report = {{"uid": os.geteuid()}}
+    for label, folder in json.loads(sys.argv[1]):
+        def double_sum(xs):  # a new function each time: no compile is shared between scenarios
+            return sum(2 * x for x in xs)
+        os.environ["CSTORCH_AMP_CACHE_DIR"] = folder
+        before = len(events)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jitted = jax.jit(double_sum)
+            first = _core_cache.persistent(jitted, {name!r})(ones_3)
+            # a second core and a second structure in the same folder: still one warning
+            second = _core_cache.persistent(jitted, {name!r} + " again")(ones_2)
+        report[label] = {{
+            "compiles": events[before:].count("/jax/core/compile/backend_compile_duration"),
+            "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
+            "values": [first.tolist(), second.tolist()],
+        }}
+    return report
+
+def forked(count):
+    # The scenarios in ``count`` processes forked at once (JAX not started yet in this one:
+    # each starts its own), as the processes of one job; their reports once all have ended.
+    children = []
+    for _ in range(count):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            code = 0
+            try:
+                data = json.dumps(run_scenarios()).encode()
+            except BaseException:
+                data, code = traceback.format_exc().encode(), 1
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(data)
+            os._exit(code)
+        os.close(write)
+        children.append((pid, read))
+    reports = []
+    for pid, read in children:
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, data
+        reports.append(json.loads(data))
+    return reports
+
+if len(sys.argv) > 2:  # waves of processes: each wave forked at once, after the previous ended
+    print(json.dumps([forked(count) for count in json.loads(sys.argv[2])]))
+else:
+    print(json.dumps(run_scenarios()))
 """
 
 
@@ -132,30 +174,30 @@ def _entry(path: Path, data: bytes, mode: int = 0o600, owner: int = _CHILD_UID) 
     return path
 
 
-def _child(scenarios: list[tuple[str, Path]]) -> subprocess.Popen[str]:
-    environment = dict(os.environ, PYTHONPATH=str(REPO), HOME=tempfile.gettempdir())
+@pytest.fixture(scope="module")
+def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedPython]:
+    """Starts the children: each forked from one process that has imported the child's modules
+    (JAX not started; root until the child gives it up)."""
+    server = ForkedPython(tmp_path_factory.mktemp("children"), _CHILD_IMPORTS)
+    yield server
+    server.close()
+
+
+def _run_child(
+    child: ForkedPython, scenarios: list[tuple[str, Path]], waves: list[int] | None = None
+) -> Any:
+    """Runs ``scenarios`` in a child; with ``waves``, in processes the child forks: ``waves[i]``
+    of them at once, each wave once the previous has ended (its report: one list per wave)."""
     code = _CHILD.format(uid=_CHILD_UID, gid=_CHILD_GID, name=_CORE_NAME)
     scenario_list = json.dumps([(label, str(folder)) for label, folder in scenarios])
-    return subprocess.Popen(
-        [sys.executable, "-c", code, scenario_list],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=environment,
-    )
-
-
-def _report(child: subprocess.Popen[str]) -> dict:
-    out, err = child.communicate(timeout=300)
-    assert child.returncode == 0, err[-3000:]
-    report = json.loads(out.strip().splitlines()[-1])
-    assert report["uid"] == _CHILD_UID and report["uid"] != 0
+    forks = [] if waves is None else [json.dumps(waves)]
+    child.submit(code, 300, argv=[scenario_list, *forks], HOME=tempfile.gettempdir())
+    status, output = child.outcome()
+    assert status == 0, output[-3000:]
+    report = last_json(output)
+    for each in [r for wave in report for r in wave] if isinstance(report, list) else [report]:
+        assert each["uid"] == _CHILD_UID and each["uid"] != 0
     return report
-
-
-def _run_child(scenarios: list[tuple[str, Path]]) -> dict:
-    return _report(_child(scenarios))
 
 
 def _expect_untrusted(outcome: dict, *words: str) -> None:
@@ -169,7 +211,7 @@ def _expect_untrusted(outcome: dict, *words: str) -> None:
         assert word in warning, (word, warning)
 
 
-def test_a_folder_or_an_entry_others_may_write_is_not_read(base, genuine):
+def test_a_folder_or_an_entry_others_may_write_is_not_read(base, genuine, child):
     """As a user who is not root: group- or world-writable folders, a symbolic link to one, an
     entry that is a symbolic link or that others may write are not read (nothing unpickled),
     with one warning each; the user's own folder still loads, read-only or not."""
@@ -209,6 +251,7 @@ def test_a_folder_or_an_entry_others_may_write_is_not_read(base, genuine):
     before = {label: sorted(os.listdir(base / label)) for label in ("world", "group", "linked")}
 
     report = _run_child(
+        child,
         [
             (label, base / label)
             for label in (
@@ -222,7 +265,7 @@ def test_a_folder_or_an_entry_others_may_write_is_not_read(base, genuine):
                 "empty_read_only",
                 "wrong_key",
             )
-        ]
+        ],
     )
 
     # the control: an entry of the user's own is unpickled (and fails to load: compiled)
@@ -252,7 +295,7 @@ def test_a_folder_or_an_entry_others_may_write_is_not_read(base, genuine):
 
 
 @pytest.mark.skipif(not _ROOT, reason="only root can give a folder to another user")
-def test_a_folder_or_an_entry_of_another_user_is_not_read(base, genuine):
+def test_a_folder_or_an_entry_of_another_user_is_not_read(base, genuine, child):
     """As a user who is not root, a folder owned by another user (not root), or an entry of
     another user's in the user's own folder, is not read, however closed its mode; one owned by
     root and closed to others (a cache prepared in an image) is read."""
@@ -273,7 +316,8 @@ def test_a_folder_or_an_entry_of_another_user_is_not_read(base, genuine):
     )
     _entry(_folder(base / "roots", 0o755, owner=0) / name, data, mode=0o644, owner=0)
 
-    report = _run_child([(label, base / label) for label in ("foreign", "foreign_entry", "roots")])
+    labels = ("foreign", "foreign_entry", "roots")
+    report = _run_child(child, [(label, base / label) for label in labels])
 
     assert not (markers / "foreign").exists() and not (markers / "foreign_entry").exists()
     _expect_untrusted(
@@ -287,15 +331,18 @@ def test_a_folder_or_an_entry_of_another_user_is_not_read(base, genuine):
     assert os.listdir(base / "roots") == [name]
 
 
-def test_processes_starting_at_once_on_a_cold_cache_share_it(base):
-    """Four processes (as ranks starting together) on one empty folder of their user's: each
-    computes, none warns, and the folder ends with one whole entry per core, no leftovers."""
+def test_processes_starting_at_once_on_a_cold_cache_share_it(base, child):
+    """Four processes (as ranks starting together: forked at once by one child, each starting
+    JAX itself) on one empty folder of their user's: each computes, none warns, and the folder
+    ends with one whole entry per core, no leftovers; a fifth, forked once they have ended,
+    loads both entries."""
     shared = _folder(base / "cold", 0o700)
-    children = [_child([("cold", shared)]) for _ in range(4)]
-    reports = [_report(child)["cold"] for child in children]
+    together, later = _run_child(child, [("cold", shared)], waves=[4, 1])
+    reports = [report["cold"] for report in together]
+    assert len(reports) == 4
     assert all(r["warnings"] == [] and r["values"] == [6.0, [4.0, 4.0]] for r in reports)
     entries = sorted(os.listdir(shared))
     assert len(entries) == 2 and all(entry.endswith(".xla") for entry in entries)
     assert all(os.stat(shared / entry).st_mode & 0o777 == 0o600 for entry in entries)
-    after = _run_child([("cold", shared)])["cold"]  # a later run loads both: compiles nothing
+    after = later[0]["cold"]  # a later run loads both: compiles nothing
     assert after == {"compiles": 0, "warnings": [], "values": [6.0, [4.0, 4.0]]}

@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
-from facade_helpers import DLS, INF, NAN, TinyNet, loss_of, run_python
+from facade_helpers import DLS, INF, NAN, TinyNet, loss_of
 
 import amp_core
 import torch_facade as cstorch
 from hardware import devices as devices_module
+from tests.forked_python import ForkedPython
 from torch_facade.amp._engine import (
     _carry,
     _cores,
@@ -73,13 +74,22 @@ NO_CUDA = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module")
+def run_python(tmp_path_factory):
+    """Runs a script as a fresh interpreter would after importing the facade (forked from one
+    that has only imported it: JAX's backends not started, as in a new training script)."""
+    server = ForkedPython(tmp_path_factory.mktemp("forked"))
+    yield server.run
+    server.close()
+
+
 def settings_seen(starts: list[dict]) -> set[tuple]:
     """The (preallocate, visible GPUs) settings every backend start saw (one on any machine)."""
     assert starts and "cpu" in {start["platform"] for start in starts}
     return {(start["preallocate"], start["visible"]) for start in starts}
 
 
-def test_nothing_starts_jax_before_the_first_decision():
+def test_nothing_starts_jax_before_the_first_decision(run_python):
     code = RECORD_BACKEND_STARTS + (
         "import copy, pickle, torch\n"
         "import torch_facade as cstorch\n"
@@ -110,7 +120,7 @@ def test_nothing_starts_jax_before_the_first_decision():
     assert "cpu" in {start["platform"] for start in out["starts"]}
 
 
-def test_the_facade_starts_jax_with_preallocation_off_and_restores_the_environment():
+def test_the_facade_starts_jax_with_preallocation_off_and_restores_the_environment(run_python):
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
         "from torch_facade.amp._engine import _jax_guest\n"
@@ -135,7 +145,7 @@ def test_the_facade_starts_jax_with_preallocation_off_and_restores_the_environme
     ],
     ids=lambda setting: next(iter(setting)),
 )
-def test_the_users_memory_setting_wins(setting):
+def test_the_users_memory_setting_wins(setting, run_python):
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
         "from torch_facade.amp._engine import _jax_guest\n"
@@ -148,7 +158,7 @@ def test_the_users_memory_setting_wins(setting):
     assert out["chose"] is True
 
 
-def test_client_options_count_as_the_users_choice():
+def test_client_options_count_as_the_users_choice(run_python):
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
         "jax.config.update('jax_pjrt_client_create_options', 'preallocate:true')\n"
@@ -160,7 +170,7 @@ def test_client_options_count_as_the_users_choice():
     assert {preallocate for preallocate, _ in settings_seen(out["starts"])} == {None}
 
 
-def test_a_gpu_decision_lets_jax_open_only_that_gpu_and_restores_the_setting():
+def test_a_gpu_decision_lets_jax_open_only_that_gpu_and_restores_the_setting(run_python):
     """The setting is seen at the start (on a CPU-only jaxlib no GPU backend starts with it)."""
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
@@ -175,7 +185,7 @@ def test_a_gpu_decision_lets_jax_open_only_that_gpu_and_restores_the_setting():
     assert out["opened"] == f"cuda:{GPU_INDEX}"
 
 
-def test_a_cpu_first_start_in_a_process_whose_torch_uses_a_gpu_opens_only_that_gpu():
+def test_a_cpu_first_start_in_a_process_whose_torch_uses_a_gpu_opens_only_that_gpu(run_python):
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
         "torch.cuda.is_available = lambda: True  # as if torch had set up GPU 2\n"
@@ -190,7 +200,7 @@ def test_a_cpu_first_start_in_a_process_whose_torch_uses_a_gpu_opens_only_that_g
     assert out["opened"] == "cuda:2"
 
 
-def test_a_users_gpu_restriction_is_kept():
+def test_a_users_gpu_restriction_is_kept(run_python):
     code = RECORD_BACKEND_STARTS + (
         "import torch\n"
         "jax.config.update('jax_cuda_visible_devices', '0,1')\n"
@@ -203,7 +213,7 @@ def test_a_users_gpu_restriction_is_kept():
     assert out["opened"] is None
 
 
-def test_jax_started_by_someone_else_with_default_preallocation_warns_once_on_a_gpu():
+def test_jax_started_by_someone_else_with_default_preallocation_warns_once_on_a_gpu(run_python):
     code = (
         "import json, warnings, jax, torch\n"
         "jax.devices()  # the user's own JAX code started the backends first\n"

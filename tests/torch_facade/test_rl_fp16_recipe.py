@@ -1,7 +1,9 @@
 """The fp16 RL fine-tuning recipe (docs/pytorch/rl-fp16.md) runs: its script on 2 ranks.
 
 ``docs/examples/rl_fp16.py`` is started as torchrun starts it (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``; gloo on the loopback) for a few steps. The
+``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``; gloo on the loopback; both ranks forked at
+once from one process that has imported the script's modules, ``tests/fork_launcher.py``) for
+a few steps. The
 gradient-range report must have chosen the scaling: the initial scale is the smallest probe
 suggestion of both ranks, each suggestion the largest power of two that keeps 2 doublings
 between the probe step's largest gradient element and float16's largest value (numpy float16 is
@@ -16,8 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,14 @@ import numpy as np
 import pytest
 from _ranks import wait_for_ranks
 
+from tests.forked_python import ForkedWorker, ForkLauncher
 from workbench.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "docs" / "examples" / "rl_fp16.py"
 WORLD, STEPS, PROBE_STEPS, HEADROOM = 2, 8, 3, 2
 TIMEOUT_S = 180.0
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch_facade")
 
 
 @pytest.fixture(scope="module")
@@ -39,32 +41,39 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each rank of the recipe's run wrote."""
     out = tmp_path_factory.mktemp("rl_fp16")
     port = str(free_port())
-    command = [sys.executable, str(SCRIPT), "--steps", str(STEPS)]
-    command += ["--probe-steps", str(PROBE_STEPS), "--headroom", str(HEADROOM), "--out", str(out)]
+    args = ["--steps", str(STEPS), "--probe-steps", str(PROBE_STEPS)]
+    args += ["--headroom", str(HEADROOM), "--out", str(out)]
     started = time.monotonic()
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            OMP_NUM_THREADS="1",
-            GLOO_SOCKET_IFNAME="lo",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            PYTHONPATH=os.pathsep.join(
-                filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+    common = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    workers = [
+        {
+            "name": f"rank{rank}",
+            "args": args,
+            "env": dict(
+                common,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(WORLD),
             ),
-        )
-        with open(out / f"rank{rank}.log", "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT
-                )
-            )
-    wait_for_ranks(procs, out, started + TIMEOUT_S)
+            "log": str(out / f"rank{rank}.log"),
+        }
+        for rank in range(WORLD)
+    ]
+    # Both ranks forked at once from one process that has imported the script's modules.
+    launcher = ForkLauncher(SCRIPT, workers, PRELOAD, common)
+    try:
+        ranks = [ForkedWorker(launcher, f"rank{rank}") for rank in range(WORLD)]
+        wait_for_ranks(ranks, out, started + TIMEOUT_S)  # type: ignore[arg-type]
+    finally:
+        launcher.close()
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

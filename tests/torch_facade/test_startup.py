@@ -2,7 +2,8 @@
 
 ``torch.compiler.disable`` imports ``torch._dynamo`` (1.3-1.9 s here). The facade's boundary
 (:mod:`torch_facade.amp._host_side`) makes it only once user code has imported dynamo; these
-tests run in fresh interpreters, where nothing else has imported it yet.
+tests run in fresh processes (forked from one that has imported only the facade), where nothing
+else has imported it yet.
 """
 
 from __future__ import annotations
@@ -13,17 +14,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from facade_helpers import COMPILE_EVENT, TRACE_EVENT, jax_compile_events, run_python
+from facade_helpers import COMPILE_EVENT, TRACE_EVENT, jax_compile_events
 
 import amp_core
+from tests.forked_python import ForkedPython
 from torch_facade.amp._engine import _carry, _core_cache
+
+
+@pytest.fixture(scope="module")
+def run_python(tmp_path_factory):
+    """Runs a script as a fresh interpreter would after ``import torch_facade``: forked from one
+    that has imported only the facade (and torch and JAX), nothing compiled, no dynamo."""
+    server = ForkedPython(tmp_path_factory.mktemp("forked"))
+    yield server.run
+    server.close()
+
 
 _DYNAMO_MODULES = (
     "sorted(m for m in sys.modules if m == 'torch._dynamo' or m.startswith('torch._dynamo.'))"
 )
 
 
-def test_import_and_the_facades_own_calls_import_no_dynamo():
+def test_import_and_the_facades_own_calls_import_no_dynamo(run_python):
     """Importing the facade, building a scaler, scaling a loss, the half-dtype calls and the
     cbfloat16 rounding leave ``torch._dynamo`` unimported (``torch.optim``'s optimizers import
     it themselves, in their constructor: that is torch's cost, the same with torch's scaler)."""
@@ -47,7 +59,7 @@ def test_import_and_the_facades_own_calls_import_no_dynamo():
     assert result["rounded"] == 1.0  # 1 + 2**-10 is a tie below 1 + 2**-9: to even
 
 
-def test_compiled_after_an_unimported_dynamo_breaks_at_the_boundary():
+def test_compiled_after_an_unimported_dynamo_breaks_at_the_boundary(run_python):
     """The facade imported first, dynamo later by ``torch.compile``: the host-side calls still
     end the graph with the facade's reason, run eagerly, and nothing recompiles."""
     result = run_python(
@@ -127,7 +139,7 @@ def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-def test_the_second_run_loads_the_compiled_core_from_the_cache(tmp_path):
+def test_the_second_run_loads_the_compiled_core_from_the_cache(tmp_path, run_python):
     """The documented loop compiles one XLA computation in its first run (the decision core:
     no self-check or packing computations) and stores it; the second run of the same script
     traces and compiles nothing, and computes the same parameters bit for bit."""
@@ -144,7 +156,7 @@ def test_the_second_run_loads_the_compiled_core_from_the_cache(tmp_path):
     assert first["scale"] == second["scale"] == 2.0**14
 
 
-def test_off_writes_nothing_and_the_default_is_the_users_cache_folder(tmp_path):
+def test_off_writes_nothing_and_the_default_is_the_users_cache_folder(tmp_path, run_python):
     """``CSTORCH_AMP_CACHE_DIR=off``: nothing is written (not in the home folder either); with
     nothing set, the core goes to ``~/.cache/cstorch-amp/xla``."""
     home = tmp_path / "home"
@@ -158,7 +170,7 @@ def test_off_writes_nothing_and_the_default_is_the_users_cache_folder(tmp_path):
     assert default["params"] == off["params"]
 
 
-def test_jax_cache_options_decide_where_the_core_goes(tmp_path):
+def test_jax_cache_options_decide_where_the_core_goes(tmp_path, run_python):
     """A user who set JAX's ``jax_compilation_cache_dir`` finds the core in its ``cstorch-amp``
     subfolder (nothing in the home folder); one who turned JAX's cache off gets no file."""
     home = tmp_path / "home"
