@@ -9,7 +9,7 @@ from typing import Any
 from benchmarks import cbfloat16_bench, memory_bench, startup_bench, step_bench
 from workbench.jsonsafe import write_json
 from workbench.tables import markdown_table, number, stats_cell, yes
-from workbench.whole_loop import comparison_table
+from workbench.whole_loop import comparison_table, spike_skip_table
 
 MARKDOWN_NAME = "bench.md"
 JSON_NAME = "bench.json"
@@ -179,7 +179,33 @@ def _whole_section(results: dict[str, Any], heading: int) -> list[str]:
         _subnormal_note(results["sizes"]),
         "",
     ]
-    return out + comparison_table(rows, with_set_to_none=True) + [""]
+    out += [*comparison_table(rows, with_set_to_none=True), ""]
+    return out + _spike_skip_part(results.get("spike_skip") or [])
+
+
+def _spike_skip_part(rows: list[dict[str, Any]]) -> list[str]:
+    """The facade with ``spike_skip`` against the plain facade (nothing if it was not timed)."""
+    if not rows:
+        return []
+    skipped = [f"{r['size']}: {r['skipped_steps']}" for r in rows if r["skipped_steps"]]
+    note = (
+        "No step was skipped."
+        if not skipped
+        else "**Steps were skipped** (those rows time skipped steps): " + "; ".join(skipped) + "."
+    )
+    return [
+        "Spike skipping: the facade's loop with `GradScaler(..., spike_skip=SpikeSkip())` "
+        "(the defaults: the global gradient norm, a window of 128 applied steps, sigma 6) "
+        "against the same loop without it, timed in the same rounds as the table above. "
+        "The decision is branch-free: the window's mean and deviation are computed at every "
+        "step, during the warm-up (the first 128 applied steps) too, so a run too short to "
+        f"arm the check times the same work as a longer one. {note} Ratio: median [min, max] "
+        "over rounds of "
+        "the per-round ratio; other cells: medians in ms.",
+        "",
+        *spike_skip_table(rows),
+        "",
+    ]
 
 
 def _scaler_section(results: dict[str, Any], heading: int) -> list[str]:

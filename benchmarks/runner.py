@@ -54,7 +54,7 @@ from workbench.timing import (
     ratio,
     stats_dict,
 )
-from workbench.whole_loop import scaler_pair, whole_rows
+from workbench.whole_loop import scaler_pair, spike_skip_row, whole_rows
 
 FULL_ROUNDS = 5
 """Timed rounds per group of ``python -m benchmarks --full``."""
@@ -137,6 +137,15 @@ FLOOR_MODELS: dict[tuple[str, bool], tuple[int, str]] = {
     ("AdamW fused", True): (4, "one read-only pass; scale and clip go to the fused optimizer"),
 }
 """Bytes per float32 parameter that the scaler's overhead must at least move, and why."""
+
+
+def whole_variants(spec: SizeSpec, optimizer: str, set_to_none: bool) -> tuple[str, ...]:
+    """The variants of one whole-iteration group: :data:`whole_loop.WHOLE_VARIANTS`, and the
+    facade with ``spike_skip`` in :data:`whole_loop.SPIKE_SKIP_GROUP` of a sized model (one
+    group per size: ``tiny``'s one-element tensors would time the host alone)."""
+    if spec.tiny or (optimizer, set_to_none) != whole_loop.SPIKE_SKIP_GROUP:
+        return whole_loop.WHOLE_VARIANTS
+    return (*whole_loop.WHOLE_VARIANTS, whole_loop.SPIKE_SKIP)
 
 
 def _case(
@@ -449,6 +458,7 @@ class _Run:
             "sizes": {},
             "cases": [],
             "whole": [],
+            "spike_skip": [],
             "torch": [],
             "ddp": None,
             "step": None,
@@ -540,11 +550,20 @@ class _Run:
             for set_to_none in whole_loop.SET_TO_NONE:
                 self.bar.set_description(f"{size}: whole {optimizer}, set_to_none={set_to_none}")
                 group = whole_loop.run_group(
-                    workload, optimizer, set_to_none, self.whole_plan(spec), self.counter, self.tick
+                    workload,
+                    optimizer,
+                    set_to_none,
+                    self.whole_plan(spec),
+                    self.counter,
+                    self.tick,
+                    variants=whole_variants(spec, optimizer, set_to_none),
                 )
                 self.tick()
                 self.add_cases("whole", size, group.label, group.timings, group.first)
                 self.results["whole"] += whole_rows(size, group)
+                spike_row = spike_skip_row(size, group)
+                if spike_row is not None:
+                    self.results["spike_skip"].append(spike_row)
                 self.results["compile"] += _compile_rows(
                     size, "whole", group.label, _facades(group.first), group.timings
                 )
@@ -705,7 +724,8 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
 
     The returned dict holds ``meta``, ``sizes``, ``cases`` (every variant's raw rounds and
     samples in seconds, its statistics, first step and compilations after warm-up), and the
-    derived rows the tables show: ``whole`` (whole iterations), ``torch`` (scaler only,
+    derived rows the tables show: ``whole`` (whole iterations), ``spike_skip`` (the facade with
+    ``spike_skip`` against the plain facade, whole iterations), ``torch`` (scaler only,
     gradients refilled in place), ``ddp`` (settings, rows or error; ``None`` if not run),
     ``step`` (the JAX train step: size, peer versions, rows, the scalers' checks and the peers'
     misbehaviours; ``None`` if not run), ``jax``, ``bandwidth``, ``floor``, ``host`` (host cost
@@ -766,6 +786,8 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
 
 
 def _skipped_total(results: dict[str, Any]) -> int:
-    """Steps skipped for an overflow in every whole-iteration, DDP and host variant (must be 0)."""
+    """Steps skipped for an overflow (or as a spike) in every whole-iteration, DDP and host
+    variant (must be 0)."""
     rows = results["whole"] + ((results["ddp"] or {}).get("rows") or []) + results["host"]
-    return sum(r["torch_skipped_steps"] + r["facade_skipped_steps"] for r in rows)
+    spikes = sum(r["skipped_steps"] for r in results["spike_skip"])
+    return spikes + sum(r["torch_skipped_steps"] + r["facade_skipped_steps"] for r in rows)

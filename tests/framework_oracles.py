@@ -11,10 +11,16 @@
 Each oracle runs a sequence of overflow flags and returns, after every update, the scale and
 the strikes left (DeepSpeed's ``cur_hysteresis``; Megatron's ``_hysteresis_tracker``), and for
 DeepSpeed the step at which it raised "Current loss scale already at minimum" (or ``None``).
+
+Spike skipping has no installable framework class to hold it to (OLMo-core's, levanter's and
+metaseq's live inside their trainers): :func:`spike_window_decisions` is its rule written
+plainly, a ``collections.deque`` of the applied steps' metrics with NumPy's ``mean`` and
+``std(ddof=1)`` in float64, for both doors' tests.
 """
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import importlib.util
 import types
@@ -22,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 
@@ -115,3 +122,25 @@ def megatron_trace(
         scaler.update(bool(overflow))
         trace.append((float(scaler.scale.item()), int(scaler._hysteresis_tracker)))
     return trace
+
+
+def spike_window_decisions(
+    metrics: Sequence[float], finite: Sequence[bool], *, window: int, sigma: float, warmup: int
+) -> list[tuple[bool, float]]:
+    """``[(spike, threshold)]`` per step: a step is a spike when its metric is finite and above
+    ``mean + sigma * std`` of the last ``window`` applied steps' metrics, once ``warmup`` steps
+    have been applied (threshold ``inf`` before); overflows and spikes are not recorded."""
+    recent: collections.deque[float] = collections.deque(maxlen=window)
+    applied = 0
+    out = []
+    for value, ok in zip(metrics, finite, strict=True):
+        if applied >= warmup:
+            threshold = float(np.mean(recent) + sigma * np.std(recent, ddof=1))
+        else:
+            threshold = float("inf")
+        spike = bool(ok and np.isfinite(value) and value > threshold)
+        if ok and np.isfinite(value) and not spike:
+            recent.append(value)
+            applied += 1
+        out.append((spike, threshold))
+    return out

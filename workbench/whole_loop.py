@@ -15,7 +15,10 @@ Every timed call is one iteration of the loop users run, on a GPT-2-like model
     scaler.update()
 
 The bare variant runs ``zero_grad``, ``loss.backward()`` and ``optimizer.step()`` without a scaler;
-a scaler's overhead is its iteration time minus the bare one of the same round.
+a scaler's overhead is its iteration time minus the bare one of the same round. The
+spike-skipping variant (:data:`SPIKE_SKIP`) is the facade's loop with
+``spike_skip=cstorch.amp.SpikeSkip()``, timed in the same rounds as the plain facade
+(:func:`spike_skip_row`).
 
 The floor variant (:data:`FLOOR`, single process only) is the least any design that reads the
 gradients with XLA must add to the bare loop: import every gradient through DLPack as the facade
@@ -91,6 +94,15 @@ FLOOR = "xla floor"
 WHOLE_VARIANTS = (*VARIANTS, FLOOR)
 """The variants of a single-process group; the DDP section runs :data:`VARIANTS`."""
 
+SPIKE_SKIP = "facade+spike_skip"
+"""The facade's loop with ``spike_skip=cstorch.amp.SpikeSkip()`` (the defaults: the gradient
+norm, a window of 128, sigma 6), timed beside :data:`VARIANTS`' ``"facade"`` in one group
+(:data:`SPIKE_SKIP_GROUP`): what skipping loss spikes adds to a whole iteration."""
+
+SPIKE_SKIP_GROUP = ("AdamW fused", True)
+"""The optimizer and ``zero_grad(set_to_none=...)`` of the group that also times
+:data:`SPIKE_SKIP` (the loop users run: fused AdamW, torch's default)."""
+
 BATCH = 1
 """Sequences per iteration (one keeps an ``M`` iteration short on a small CPU)."""
 
@@ -165,13 +177,14 @@ def make_workload(
     return Workload(spec, model.to(device), ids.to(device))
 
 
-def _facade_scaler(clip: bool) -> cstorch.amp.GradScaler:
+def _facade_scaler(name: str) -> cstorch.amp.GradScaler:
     return cstorch.amp.GradScaler(
         loss_scale="dynamic",
         init_scale=LOSS_SCALE,
         max_loss_scale=LOSS_SCALE,
         steps_per_increase=NEVER,
-        max_gradient_norm=CLIP_NORM if clip else None,
+        max_gradient_norm=CLIP_NORM if name == "facade+clip" else None,
+        spike_skip=cstorch.amp.SpikeSkip() if name == SPIKE_SKIP else None,
     )
 
 
@@ -183,7 +196,7 @@ class TrainLoop:
     """One variant: its own model copy, optimizer and scaler; :meth:`step` runs one iteration.
 
     Args:
-        name: one of :data:`VARIANTS`.
+        name: one of :data:`WHOLE_VARIANTS`, or :data:`SPIKE_SKIP`.
         optimizer: one of :data:`OPTIMIZERS`.
         set_to_none: the ``zero_grad`` argument.
         workload: the model to copy and the tokens.
@@ -201,8 +214,10 @@ class TrainLoop:
         workload: Workload,
         wrap: Callable[[nn.Module], nn.Module] = lambda module: module,
     ) -> None:
-        if name not in WHOLE_VARIANTS:
-            raise ValueError(f"unknown variant {name!r}; expected one of {WHOLE_VARIANTS}")
+        if name not in (*WHOLE_VARIANTS, SPIKE_SKIP):
+            raise ValueError(
+                f"unknown variant {name!r}; expected one of {(*WHOLE_VARIANTS, SPIKE_SKIP)}"
+            )
         module = copy.deepcopy(workload.model)
         self.params = list(module.parameters())
         self.model = wrap(module)
@@ -212,7 +227,7 @@ class TrainLoop:
         self.device = workload.device
         self.set_to_none = set_to_none
         self.torch_scaler = _torch_scaler(self.device.type) if name.startswith("torch") else None
-        self.facade = _facade_scaler(name == "facade+clip") if name.startswith("facade") else None
+        self.facade = _facade_scaler(name) if name.startswith("facade") else None
         self._one = torch.ones((), device=self.device)  # the floor's grad_scale and multiplier
         self._zero = torch.zeros((), device=self.device)  # the floor's found_inf
         self.torch_clips = name == "torch+clip"
@@ -279,14 +294,15 @@ class TrainLoop:
         self.calls_seconds = time.perf_counter() - start
 
     def skipped_steps(self) -> int:
-        """Steps skipped for an overflow so far (0 for the bare loop).
+        """Steps skipped so far, for an overflow or as a spike (0 for the bare loop).
 
-        The facade counts them (``get_num_skipped_steps``); torch's scaler never grows here
+        The facade counts them (``get_num_skipped_steps``, and ``get_num_spike_skips`` with
+        ``spike_skip``); torch's scaler never grows here
         (``growth_interval`` is :data:`NEVER`) and halves its scale on
         every skipped step, so its count is ``log2(initial scale / scale)``.
         """
         if self.facade is not None:
-            return int(self.facade.get_num_skipped_steps())
+            return int(self.facade.get_num_skipped_steps()) + int(self.facade.get_num_spike_skips())
         if self.torch_scaler is not None:
             return round(math.log2(LOSS_SCALE / self.torch_scaler.get_scale()))
         return 0
@@ -346,7 +362,8 @@ class WholeGroup:
         set_to_none: the ``zero_grad`` argument.
         first: first iteration of every variant.
         timings: timed rounds of every variant.
-        skipped_steps: steps skipped for an overflow over all iterations, per variant (must be 0).
+        skipped_steps: steps skipped for an overflow or as a spike over all iterations, per
+            variant (must be 0).
     """
 
     optimizer: str
@@ -381,7 +398,8 @@ def run_group(
         counter: a listening compile counter.
         on_round: progress callback, once per round.
         wrap: applied to every variant's model copy (e.g. ``DistributedDataParallel``).
-        variants: the variant names to measure.
+        variants: the variant names to measure (of :data:`WHOLE_VARIANTS` and
+            :data:`SPIKE_SKIP`).
     """
     loops: dict[str, TrainLoop] = {}
 
@@ -444,6 +462,51 @@ def whole_rows(size: str, group: WholeGroup) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def spike_skip_row(size: str, group: WholeGroup) -> dict[str, Any] | None:
+    """The row of :data:`SPIKE_SKIP` against the plain facade of the same rounds (``None`` if
+    the group did not time it): both in ms, the per-round ratio of whole iterations, and the
+    steps the spike-skipping loop skipped (must be 0: a skipped step would be timed)."""
+    spike = group.timings.get(SPIKE_SKIP)
+    if spike is None:
+        return None
+    facade_r = group.timings["facade"].rounds
+    return {
+        "size": size,
+        "optimizer": group.optimizer,
+        "set_to_none": group.set_to_none,
+        "facade_ms": stats_dict(milliseconds(facade_r)),
+        "spike_skip_ms": stats_dict(milliseconds(spike.rounds)),
+        "step_ratio": stats_dict(per_round(ratio, spike.rounds, facade_r)),
+        "skipped_steps": group.skipped_steps[SPIKE_SKIP],
+    }
+
+
+def spike_skip_table(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`spike_skip_row` rows: the ratio first, then the medians in ms."""
+    header = [
+        "size",
+        "optimizer",
+        "set_to_none",
+        "facade + spike_skip / facade, iteration",
+        "facade",
+        "facade + spike_skip",
+        "steps skipped",
+    ]
+    body = [
+        [
+            r["size"],
+            r["optimizer"],
+            str(r["set_to_none"]),
+            stats_cell(r["step_ratio"], "x"),
+            number(r["facade_ms"]["median"]),
+            number(r["spike_skip_ms"]["median"]),
+            str(r["skipped_steps"]),
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, body, ["l", "l", "l", "r", "r", "r", "r"])
 
 
 def comparison_table(rows: list[dict[str, Any]], with_set_to_none: bool) -> list[str]:

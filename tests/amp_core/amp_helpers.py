@@ -1,7 +1,9 @@
-"""Shared pieces of the amp_core tests: bit-for-bit and to-rounding comparisons of pytrees."""
+"""Shared pieces of the amp_core tests: bit-for-bit and to-rounding comparisons of pytrees, and
+the update rule run over a sequence of overflow flags."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -9,8 +11,30 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+import amp_core
+
+F = False
+"""An overflowed step, in a sequence of ``isfinite`` flags."""
+T = True
+"""A finite step, in a sequence of ``isfinite`` flags."""
+
+
+def update_trace(
+    cfg: amp_core.LossScaleConfig, sequence: Any, *, jit: bool
+) -> list[amp_core.LossScaleState]:
+    """The state after each ``amp_core.update`` of ``cfg`` over the ``isfinite`` flags of
+    ``sequence``, from ``amp_core.init(cfg)``; the update jitted (config closed over) or eager."""
+    step = functools.partial(amp_core.update, cfg)
+    if jit:
+        step = jax.jit(step)
+    states = [amp_core.init(cfg)]
+    for isfinite in sequence:
+        states.append(step(states[-1], jnp.asarray(isfinite)))
+    return states[1:]
 
 
 def assert_bitwise_equal(actual: Any, expected: Any) -> None:

@@ -15,11 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from amp_helpers import F, T, update_trace
 
 import amp_core
-
-F = False  # an overflowed step
-T = True  # a finite step
 
 
 @pytest.fixture(params=["eager", "jit"])
@@ -27,23 +25,16 @@ def run(request):
     """``run(cfg, isfinite_sequence) -> [(scale, steps, absorbed, skipped, at_min)]``."""
 
     def run_trace(cfg, sequence):
-        step = functools.partial(amp_core.update, cfg)
-        if request.param == "jit":
-            step = jax.jit(step)
-        state = amp_core.init(cfg)
-        out = []
-        for isfinite in sequence:
-            state = step(state, jnp.asarray(isfinite))
-            out.append(
-                (
-                    float(state.loss_scale),
-                    int(state.steps_since_rescale),
-                    int(state.absorbed_overflows),
-                    int(state.num_skipped_steps),
-                    int(state.overflows_at_min_scale),
-                )
+        return [
+            (
+                float(state.loss_scale),
+                int(state.steps_since_rescale),
+                int(state.absorbed_overflows),
+                int(state.num_skipped_steps),
+                int(state.overflows_at_min_scale),
             )
-        return out
+            for state in update_trace(cfg, sequence, jit=request.param == "jit")
+        ]
 
     return run_trace
 

@@ -1,14 +1,13 @@
 """Spike skipping in the JAX door: ``DynamicLossScale(spike_skip=SpikeSkip(...))``.
 
-Oracles: a plain-Python window (``collections.deque`` of the applied steps' metrics, NumPy's
-``mean`` and ``std(ddof=1)`` in float64) for every decision; the state before a skipped step
-for the parameters, the inner optimizer's state and the scaler (bit for bit); the
-uninterrupted run for a run resumed from an orbax checkpoint.
+Oracles: a plain-Python window (``framework_oracles.spike_window_decisions``: a deque of the
+applied steps' metrics, NumPy's ``mean`` and ``std(ddof=1)`` in float64) for every decision;
+the state before a skipped step for the parameters, the inner optimizer's state and the scaler
+(bit for bit); the uninterrupted run for a run resumed from an orbax checkpoint.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from framework_oracles import spike_window_decisions
 
 import amp_core
 
@@ -26,24 +26,6 @@ DTYPE_PROMOTION = "standard"  # optax's adam: decay ** count
 
 def bits(tree) -> list[bytes]:
     return [np.array(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree)]
-
-
-def oracle_decisions(metrics, finite, *, window, sigma, warmup):
-    """``[(spike, threshold or inf)]`` from a deque of the applied steps' metrics."""
-    recent: collections.deque[float] = collections.deque(maxlen=window)
-    applied = 0
-    out = []
-    for value, ok in zip(metrics, finite, strict=True):
-        if applied >= warmup:
-            threshold = float(np.mean(recent) + sigma * np.std(recent, ddof=1))
-        else:
-            threshold = float("inf")
-        spike = bool(ok and np.isfinite(value) and value > threshold)
-        if ok and np.isfinite(value) and not spike:
-            recent.append(value)
-            applied += 1
-        out.append((spike, threshold))
-    return out
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -66,7 +48,7 @@ def test_decisions_follow_the_window_of_applied_steps(jit, window, warmup, sigma
     for value, ok in zip(metrics, finite, strict=True):
         spike, spikes = check(spikes, jnp.float32(value), jnp.asarray(ok))
         ours.append((bool(spike), float(spikes.threshold)))
-    expected = oracle_decisions(
+    expected = spike_window_decisions(
         metrics.tolist(), finite.tolist(), window=window, sigma=sigma, warmup=config.warmup
     )
     assert [s for s, _ in ours] == [s for s, _ in expected]

@@ -11,11 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from amp_helpers import F, T, update_trace
 
 import amp_core
-
-F = False  # an overflowed step
-T = True  # a finite step
 
 
 @pytest.fixture(params=["eager", "jit"])
@@ -23,13 +21,7 @@ def run(request):
     """Returns ``run(cfg, isfinite_sequence) -> [state after each update]``."""
 
     def run_trace(cfg, sequence):
-        step = functools.partial(amp_core.update, cfg)
-        if request.param == "jit":
-            step = jax.jit(step)
-        states = [amp_core.init(cfg)]
-        for isfinite in sequence:
-            states.append(step(states[-1], jnp.asarray(isfinite)))
-        return [snapshot(s) for s in states[1:]]
+        return [snapshot(s) for s in update_trace(cfg, sequence, jit=request.param == "jit")]
 
     return run_trace
 

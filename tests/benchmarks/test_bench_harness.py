@@ -94,6 +94,7 @@ def _assert_stats(stats: dict[str, Any]) -> None:
 
 
 WHOLE_GROUPS = [f"{o}, set_to_none={s}" for o in whole_loop.OPTIMIZERS for s in (True, False)]
+SPIKE_GROUP = "AdamW fused, set_to_none=True"  # the one group that also times spike skipping
 DDP_GROUP = f"{ddp_bench.OPTIMIZER}, set_to_none=True"
 
 
@@ -103,6 +104,7 @@ def test_every_case_is_present_with_all_rounds(results: dict[str, Any]) -> None:
         | {("torch", o, v) for o in whole_loop.OPTIMIZERS for v in whole_loop.VARIANTS}
         | {("jax", "optax", v) for v in jax_bench.VARIANTS}
         | {("whole", g, v) for g in WHOLE_GROUPS for v in whole_loop.WHOLE_VARIANTS}
+        | {("whole", SPIKE_GROUP, "facade+spike_skip")}
         | {("ddp", DDP_GROUP, v) for v in whole_loop.VARIANTS}
         | {("host", o, v) for o in host_bench.OPTIMIZERS for v in host_bench.VARIANTS}
         | {("step", loss, v) for loss in step_bench.LOSSES for v in step_bench.variants_of(loss)}
@@ -156,6 +158,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         "sizes",
         "cases",
         "whole",
+        "spike_skip",
         "torch",
         "ddp",
         "step",
@@ -196,6 +199,15 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
         _assert_stats(row["floor_ms"])
         _assert_stats(row["floor_overhead_ms"])
     assert "XLA-read floor overhead" in report.markdown(results)
+    (spike_row,) = results["spike_skip"]  # S only: the run has no other sized model
+    assert (spike_row["size"], spike_row["optimizer"], spike_row["set_to_none"]) == (
+        "S",
+        "AdamW fused",
+        True,
+    )
+    for key in ("facade_ms", "spike_skip_ms", "step_ratio"):
+        _assert_stats(spike_row[key])
+    assert spike_row["skipped_steps"] == 0
     ddp = results["ddp"]
     assert ddp["error"] is None
     assert (ddp["size"], ddp["world_size"], ddp["tensors"]) == ("S", 2, S_TENSORS)
@@ -243,6 +255,7 @@ def test_derived_rows_have_every_field(results: dict[str, Any]) -> None:
     assert compile_cases == (
         {("torch", f"{v}, {o}") for o in whole_loop.OPTIMIZERS for v in facades}
         | {("whole", f"{v}, {g}") for g in WHOLE_GROUPS for v in facades}
+        | {("whole", f"facade+spike_skip, {SPIKE_GROUP}")}
         | {("ddp", f"{v}, DDP, {DDP_GROUP}") for v in facades}
         | {("jax", v) for v in jax_bench.VARIANTS}
         | {("host", f"facade, {o}") for o in host_bench.OPTIMIZERS}
@@ -306,6 +319,12 @@ def test_markdown_has_the_expected_rows(markdown: str) -> None:
     for case in ("facade, SGD foreach", "facade+clip, AdamW fused", *jax_bench.VARIANTS):
         assert f"| {case} |" in markdown
     assert "| S | whole | facade, SGD fused, set_to_none=True |" in markdown
+    lines = markdown.splitlines()
+    (spike_line,) = [line for line in lines if line.startswith("| S | AdamW fused | True | ")]
+    assert spike_line.endswith(" | 0 |")  # the spike-skipping row: no step skipped
+    assert (
+        "spike_skip=SpikeSkip())` (the defaults" in markdown and "No step was skipped" in markdown
+    )
     assert "compilations after warm-up, all cases: 0" in markdown
     assert markdown.count("No step overflowed") == 3  # whole, DDP and host
     for n in HOST_TENSORS:
@@ -355,6 +374,10 @@ def test_markdown_reports_overflows_and_ddp_failures(results: dict[str, Any]) ->
     text = report.markdown({**results, "whole": skipped})
     assert "**Steps were skipped for an overflow**" in text
     assert "S SGD foreach: torch 0, facade 3" in text
+    spiked = [{**results["spike_skip"][0], "skipped_steps": 2}]
+    text = report.markdown({**results, "spike_skip": spiked})
+    assert "**Steps were skipped** (those rows time skipped steps): S: 2." in text
+    assert "spike_skip=SpikeSkip())" not in report.markdown({**results, "spike_skip": []})
     assert "Subnormal float32 values after two probe iterations" in text
     assert "(not 0:" not in text
     size = results["sizes"]["S"]
@@ -404,7 +427,9 @@ def workload(one_torch_thread: None) -> whole_loop.Workload:
     return whole_loop.make_workload(sizes.SIZES["S"])
 
 
-@pytest.mark.parametrize("name", ["torch", "torch+clip", "facade", "facade+clip"])
+@pytest.mark.parametrize(
+    "name", ["torch", "torch+clip", "facade", "facade+clip", "facade+spike_skip"]
+)
 def test_train_loop_counts_skipped_steps(workload: whole_loop.Workload, name: str) -> None:
     loop = whole_loop.TrainLoop(name, "SGD foreach", True, workload)
     loop.step()
@@ -414,6 +439,17 @@ def test_train_loop_counts_skipped_steps(workload: whole_loop.Workload, name: st
     loop.step()
     loop.step()
     assert loop.skipped_steps() == 2
+
+
+def test_the_spike_skipping_loop_counts_a_spike_as_skipped(workload: whole_loop.Workload) -> None:
+    """A window of 128 tiny norms, armed: the next iteration's norm is a spike."""
+    loop = whole_loop.TrainLoop("facade+spike_skip", "AdamW fused", True, workload)
+    assert loop.facade is not None
+    loop.facade.load_state_dict({"spike_window": torch.full((128,), 1e-6), "spike_applied": 128})
+    before = [p.detach().clone() for p in loop.params]
+    loop.step()
+    assert loop.skipped_steps() == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, loop.params, strict=True))
 
 
 def test_train_loop_trains_a_copy(workload: whole_loop.Workload) -> None:

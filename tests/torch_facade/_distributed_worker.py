@@ -45,6 +45,12 @@ FAULT_INDEX = (12, 3)  # of the first weight (16 x 6): row 12 lies in rank 1's F
 BIG_TARGET = 1.0e5  # a target whose float16 backward overflows (float16 cases)
 INIT_SCALE, STEPS_PER_INCREASE = 2.0**8, 2
 LEARNING_RATE = 1e-2
+SCALES = {
+    None: [256.0, 256.0, 128.0, 128.0, 128.0, 256.0],
+    4: [256.0, 256.0, 128.0, 128.0, 64.0, 64.0],
+}
+"""The loss scale after each step, by ``big_target_step``: 2**8, halving at each skipped step,
+doubling after 2 + 1 steps."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +154,67 @@ class MLP(torch.nn.Module):
             if i < len(self.layers) - 1:
                 h = torch.tanh(h)
         return h
+
+
+NORM_RTOL = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 5e-3}
+"""How close a job's global norm must come to one process's, by compute dtype."""
+STATE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 3e-2}
+"""How close a job's optimizer state must come to one process's, by compute dtype, relative to
+the largest element of each tensor."""
+COPY_KEYS = ("torch_norm", "grads_unscaled", "grads_final")
+"""What a rank records of its own copy of the gradients (the fault's step differs there)."""
+
+
+def check_same_bits(first: dict[str, Any], other: dict[str, Any], copies_differ: bool) -> None:
+    """Asserts that two ranks' runs of one case recorded the same bits: flags, norms, scaler
+    state dicts, parameters and optimizer state; and their gradients, but at the fault's step
+    where ``copies_differ`` (a fault written into one rank's copy of replicated values)."""
+    shared = [k for k in first if k not in ("spies", "optimizer_state", "local_numel")]
+    assert "global_norm" in shared and "state.loss_scale" in shared and "params" in shared
+    for key in shared:
+        a, b = np.asarray(first[key]), np.asarray(other[key])
+        if copies_differ and key in COPY_KEYS:
+            a, b = (np.delete(v, FAULT_STEP, axis=0) for v in (a, b))
+        assert a.dtype == b.dtype and a.shape == b.shape, key
+        assert a.tobytes() == b.tobytes(), f"{key}: {a} != {b}"
+    assert first["optimizer_state"].keys() == other["optimizer_state"].keys()
+    for key, value in first["optimizer_state"].items():
+        assert value.tobytes() == other["optimizer_state"][key].tobytes(), key
+
+
+def check_matches_oracle(
+    run: dict[str, Any], reference: dict[str, Any], case: Case, finite_norms_only: bool = False
+) -> None:
+    """Asserts that a rank's run of ``case`` took the one-process run's decisions: the same
+    skips, scale and counters; the norm (of the finite steps only, if ``finite_norms_only``),
+    parameters and optimizer state within the compute dtype's rounding."""
+    assert run["isfinite"].tolist() == reference["isfinite"].tolist()
+    assert run["unchanged"].tolist() == reference["unchanged"].tolist()
+    for key in reference:
+        if key.startswith("state."):
+            np.testing.assert_array_equal(run[key], reference[key], err_msg=key)
+    steps = reference["isfinite"] if finite_norms_only else slice(None)
+    np.testing.assert_allclose(
+        run["global_norm"][steps],
+        reference["global_norm"][steps],
+        rtol=NORM_RTOL[case.compute_dtype],
+    )
+    np.testing.assert_allclose(run["params"], reference["params"], rtol=case.rtol, atol=case.atol)
+    tolerance = STATE_TOLERANCE[case.compute_dtype]
+    for key, value in reference["optimizer_state"].items():
+        np.testing.assert_allclose(
+            run["optimizer_state"][key], value, rtol=0, atol=tolerance * np.abs(value).max()
+        )
+
+
+def check_oracle(reference: dict[str, Any], case: Case) -> None:
+    """Asserts what the one-process run of ``case`` must do: skip the fault's step (and the
+    float16 overflow's) keeping every bit, skip nothing else, and scale as :data:`SCALES`."""
+    faulty = {FAULT_STEP, case.big_target_step}
+    expected = [step not in faulty for step in range(STEPS)]
+    assert reference["isfinite"].tolist() == expected
+    assert reference["unchanged"].tolist() == [not finite for finite in expected]
+    assert reference["state.loss_scale"].tolist() == SCALES[case.big_target_step]
 
 
 def global_batch(step: int, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -569,28 +636,39 @@ def measure_collective(repeats: int = 100) -> dict[str, float]:
     return {key: statistics.median(values[warm:]) for key, values in timings.items()}
 
 
-def main(out_file: str, port: str, rank: str, world: str) -> None:
-    """Runs every case, the error checks and the timing as one rank; pickles the results."""
+def run_cases(cases: dict[str, Case], rank: int, world: int) -> dict[str, Any]:
+    """Every case of ``cases`` as ``rank`` of the job: ``{"cases": ..., "seconds": ...}``."""
+    results: dict[str, Any] = {"cases": {}, "seconds": {}}
+    for name in cases:
+        start = time.perf_counter()
+        results["cases"][name] = run_case(name, rank, world, cases)
+        results["seconds"][name] = time.perf_counter() - start
+        print(f"rank {rank}: {name} {results['seconds'][name]:.2f} s", flush=True)
+    return results
+
+
+def finish(results: dict[str, Any], out_file: str) -> None:
+    """Leaves the job once every rank is done, pickles ``results`` and exits."""
     import torch.distributed as dist
 
-    join_gloo(port, rank, world)
-    results: dict[str, Any] = {"cases": {}, "seconds": {}}
-    with warnings.catch_warnings(record=True) as caught_warnings:
-        warnings.simplefilter("always")
-        for name in CASES:
-            start = time.perf_counter()
-            results["cases"][name] = run_case(name, int(rank), int(world))
-            results["seconds"][name] = time.perf_counter() - start
-            print(f"rank {rank}: {name} {results['seconds'][name]:.2f} s", flush=True)
-    results["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught_warnings]
-    results["fused_sgd"] = fused_sgd_errors()
-    results["errors"] = run_errors(int(rank), int(world))
-    results["timing"] = measure_collective()
     dist.barrier()
     dist.destroy_process_group()
     with open(out_file, "wb") as out:
         pickle.dump(results, out)
     os._exit(0)  # skip interpreter teardown (gloo and XLA threads): the results are written
+
+
+def main(out_file: str, port: str, rank: str, world: str) -> None:
+    """Runs every case, the error checks and the timing as one rank; pickles the results."""
+    join_gloo(port, rank, world)
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        results = run_cases(CASES, int(rank), int(world))
+    results["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught_warnings]
+    results["fused_sgd"] = fused_sgd_errors()
+    results["errors"] = run_errors(int(rank), int(world))
+    results["timing"] = measure_collective()
+    finish(results, out_file)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,7 @@ each raising on every rank before any collective. It pickles what it recorded to
 from __future__ import annotations
 
 import math
-import os
-import pickle
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,22 +85,11 @@ def run_errors() -> dict[str, str]:
 
 def main(out_file: str, port: str, rank: str, world: str) -> None:
     """Runs every case and the error checks as one rank; pickles the results."""
-    import torch.distributed as dist
-
     assert int(world) == WORLD, f"the HSDP job needs {WORLD} ranks; got {world}"
     join_gloo(port, rank, world)
-    results: dict[str, Any] = {"cases": {}, "seconds": {}}
-    for name in CASES:
-        start = time.perf_counter()
-        results["cases"][name] = base.run_case(name, int(rank), WORLD, CASES)
-        results["seconds"][name] = time.perf_counter() - start
-        print(f"rank {rank}: {name} {results['seconds'][name]:.2f} s", flush=True)
+    results = base.run_cases(CASES, int(rank), WORLD)
     results["errors"] = run_errors()
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(out_file, "wb") as out:
-        pickle.dump(results, out)
-    os._exit(0)  # skip interpreter teardown (gloo and XLA threads): the results are written
+    base.finish(results, out_file)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """Spike skipping in the torch door: ``GradScaler(spike_skip=cstorch.amp.SpikeSkip(...))``.
 
-Oracles: a plain-Python window (a ``collections.deque`` of the applied steps' metrics, NumPy's
-``mean`` and ``std(ddof=1)`` in float64) for every decision; the JAX door's own
-``amp_core.check_spike`` fed the same metric sequence, whose window must come out bit for bit
-the same; the state before a skipped step for the parameters, Adam's state and the scaler
-(bit for bit); the uninterrupted run for a resumed one.
+Oracles: a plain-Python window (``framework_oracles.spike_window_decisions``: a deque of the
+applied steps' metrics, NumPy's ``mean`` and ``std(ddof=1)`` in float64) for every decision;
+the JAX door's own ``amp_core.check_spike`` fed the same metric sequence, whose window must come
+out bit for bit the same; the state before a skipped step for the parameters, Adam's state and
+the scaler (bit for bit); the uninterrupted run for a resumed one.
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import io
 import pickle
 import time
@@ -21,29 +21,12 @@ import pytest
 import torch
 from _ranks import start_ranks, wait_for_ranks
 from facade_helpers import INF, TinyNet, assert_tensors_equal, deep_equal, loss_of
+from framework_oracles import spike_window_decisions
 
 import amp_core
 import torch_facade as cstorch
 
 DLS = {"loss_scale": "dynamic", "init_scale": 2.0**8}
-
-
-def oracle_decisions(metrics, finite, *, window, sigma, warmup):
-    """``[spike]`` per step, from a deque of the applied steps' metrics (float64)."""
-    recent: collections.deque[float] = collections.deque(maxlen=window)
-    applied = 0
-    out = []
-    for value, ok in zip(metrics, finite, strict=True):
-        if applied >= warmup:
-            threshold = float(np.mean(recent) + sigma * np.std(recent, ddof=1))
-        else:
-            threshold = float("inf")
-        spike = bool(ok and np.isfinite(value) and value > threshold)
-        if ok and np.isfinite(value) and not spike:
-            recent.append(value)
-            applied += 1
-        out.append(spike)
-    return out
 
 
 def norm_run(scales, *, spike_skip, finite=None, optimizer_factory=None):
@@ -82,7 +65,12 @@ def test_decisions_follow_the_window_and_the_jax_door(window, warmup, sigma):
     scaler, steps = norm_run(scales.tolist(), spike_skip=config, finite=finite)
     norms = [norm for _, norm, _ in steps]
     spikes = [ok and not applied for (applied, _, _), ok in zip(steps, finite, strict=True)]
-    expected = oracle_decisions(norms, finite, window=window, sigma=sigma, warmup=config.warmup)
+    expected = [
+        spike
+        for spike, _ in spike_window_decisions(
+            norms, finite, window=window, sigma=sigma, warmup=config.warmup
+        )
+    ]
     assert spikes == expected
     assert sum(expected) >= 3
     assert steps[-1][2] == sum(expected)
@@ -263,9 +251,12 @@ def test_the_loss_metric_watches_the_sum_of_the_iterations_unscaled_losses():
         scaler.step(optimizer)
         scaler.update()
         applied.append(bool(scaler.get_isfinite()))
-    expected = oracle_decisions(
-        [x for x in losses], [True] * len(losses), window=3, sigma=2.0, warmup=3
-    )
+    expected = [
+        spike
+        for spike, _ in spike_window_decisions(
+            losses, [True] * len(losses), window=3, sigma=2.0, warmup=3
+        )
+    ]
     assert [not a for a in applied] == expected == [False] * 4 + [True, False, False, True]
     window = scaler.state_dict()["spike_window"]
     # The window holds the applied steps' losses (ring slot applied % 3): 1.0, 1.05, 0.8.
@@ -276,23 +267,34 @@ def test_the_loss_metric_watches_the_sum_of_the_iterations_unscaled_losses():
 WORKER = Path(__file__).with_name("_spike_worker.py")
 
 
+@functools.cache
+def one_process_run(metric):
+    """The oracle of the 2-rank job: ``_spike_worker.run`` on the full batch in this process."""
+    from _spike_worker import run
+
+    return run(metric, None, 1)
+
+
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory):
-    """Both ranks' results of the 2-process DDP job (``_spike_worker.py``)."""
-    out = tmp_path_factory.mktemp("spike_ddp")
+def rank_runs(tmp_path_factory):
+    """Both ranks' results of the 2-process job (``_spike_worker.py``: DDP, then FSDP2)."""
+    out = tmp_path_factory.mktemp("spike_ranks")
     procs = start_ranks(WORKER, out, 2)
     wait_for_ranks(procs, out, time.monotonic() + 300)  # a loaded machine: margin
     return [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(2)]
 
 
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("metric", ["grad_norm", "loss"])
-def test_ddp_ranks_take_the_one_process_decisions(ddp_runs, metric):
+def test_the_ranks_take_the_one_process_decisions(rank_runs, wrapper, metric):
     """A bad batch on rank 1 alone is skipped on both ranks, as on the full batch in one
-    process (the norm is global; the loss is averaged over the ranks in the collective)."""
-    from _spike_worker import BAD_STEP, STEPS, run
+    process (the norm is global: with FSDP2 the sum of both ranks' shards; the loss is averaged
+    over the ranks in the collective)."""
+    from _spike_worker import BAD_STEP, STEPS
 
-    oracle = run(metric, None, 1)
-    rank0, rank1 = (runs[metric] for runs in ddp_runs)
+    oracle = one_process_run(metric)
+    rank0, rank1 = (runs["runs"][(wrapper, metric)] for runs in rank_runs)
+    assert rank0["sharded"] == rank1["sharded"] == [wrapper == "fsdp2"] * 4
     applied = [[ok for ok, _, _ in r["steps"]] for r in (oracle, rank0, rank1)]
     assert applied[0] == applied[1] == applied[2]
     assert applied[0] == [step != BAD_STEP for step in range(STEPS)]
@@ -304,6 +306,57 @@ def test_ddp_ranks_take_the_one_process_decisions(ddp_runs, metric):
     torch.testing.assert_close(
         rank0["state"]["spike_window"], oracle["state"]["spike_window"], rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    ("check", "names"),
+    [
+        ("spike_window", "the spike window (spike_window, spike_applied, num_spike_skips)"),
+        ("spike_applied", "the spike window (spike_window, spike_applied, num_spike_skips)"),
+        ("absorbed_overflows", "the overflows hysteresis absorbed (absorbed_overflows)"),
+    ],
+)
+def test_ranks_whose_spike_window_or_absorbed_overflows_differ_both_raise(rank_runs, check, names):
+    """Rank 1 loaded a window (or a count of absorbed overflows) that rank 0 does not have: the
+    fingerprint both ranks gather with their partial sums differs, and both raise, naming it."""
+    for runs in rank_runs:
+        found = runs["disagreements"]
+        assert found["agree"] == "ok"  # the same configuration and state: no false alarm
+        assert found[check] == (
+            f"RuntimeError: the ranks' GradScalers disagree on {names}, so their decisions were "
+            "not taken together: every rank must load the same state_dict and call "
+            "scale/unscale_/step/update in the same order"
+        )
+
+
+def test_the_window_digest_tells_apart_windows_that_differ_anywhere_that_counts():
+    """The checksum the ranks compare (``_cores._window_digest``): one changed value, two
+    values swapped (the ring in another order), every value doubled (a pattern a plain
+    weighted sum of the bits cannot see: it was a bug), another ``applied`` or
+    ``num_spike_skips`` each change it; the last step's ``spiked`` and ``threshold``, which a
+    load resets, do not."""
+    from torch_facade.amp._engine import _cores
+
+    values = np.array([1.5, 2.5, 0.5, 3.0], np.float32)
+    packed = np.concatenate([values.view(np.int32), np.array([6, 1, 0, 0], np.int32)])
+
+    def digest(changed):
+        return [float(x) for x in _cores._window_digest(jnp.asarray(changed))]
+
+    def with_values(new):
+        return np.concatenate([np.asarray(new, np.float32).view(np.int32), packed[4:]])
+
+    others = [
+        with_values([1.5, 2.5, 0.5, 3.5]),
+        with_values(values[[1, 0, 2, 3]]),
+        with_values(values * 2),
+        np.concatenate([packed[:4], [7, 1, 0, 0]]),
+        np.concatenate([packed[:4], [6, 2, 0, 0]]),
+    ]
+    digests = [digest(packed), *map(digest, others)]
+    assert len({tuple(d) for d in digests}) == len(digests)
+    assert digest(np.concatenate([packed[:6], [1, 12345]])) == digests[0]
+    assert all(0 <= half < 2**16 and half.is_integer() for half in digests[0])
 
 
 @pytest.mark.parametrize("metric", ["grad_norm", "loss"])

@@ -40,6 +40,7 @@ from torch_facade.amp._engine import (
     _crossing_dlpack,
     _dlpack,
     _jax_guest,
+    _spikes,
     _storage,
 )
 
@@ -345,7 +346,9 @@ def test_the_accelerator_core_has_no_cond_and_the_cpu_core_keeps_its_one(clip):
     assert "cond" not in traced(True)
     assert "cond" in traced(False)
     partials = functools.partial(_cores._partials, True)
-    assert "cond" not in primitives(jax.make_jaxpr(partials)(state, grads, grads).jaxpr)
+    window = jnp.asarray(_spikes.initial(amp_core.SpikeSkip()))
+    for spikes in (None, window):  # without and with a spike window to fingerprint
+        assert "cond" not in primitives(jax.make_jaxpr(partials)(state, spikes, grads, grads).jaxpr)
 
 
 def accelerator_path_on_cpu():

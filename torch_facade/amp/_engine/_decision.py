@@ -137,17 +137,18 @@ class Decision:
         accelerator), done at most once. ``None`` for static scaling.
 
         Raises:
-            RuntimeError: the ranks of a distributed job disagreed on the scale or its counters
-                (checked whenever the values are read: at once on the CPU, at the first host
-                read on an accelerator).
+            RuntimeError: the ranks of a distributed job disagreed on the scale, its counters,
+                the overflows hysteresis absorbed or the spike window (checked whenever the
+                values are read: at once on the CPU, at the first host read on an accelerator).
         """
         if self._host_values is None and self.packed is not None:
             self._host_values = self.packed.tolist()
-            if self._host_values[Slot.CONSISTENT] != 1.0:
+            consistent = self._host_values[Slot.CONSISTENT]
+            if consistent != 1.0:
                 raise RuntimeError(
-                    "the ranks' GradScalers disagree on the loss scale or its counters, so their "
-                    "decisions were not taken together: every rank must load the same state_dict "
-                    "and call scale/unscale_/step/update in the same order"
+                    f"the ranks' GradScalers disagree on {_cores.disagreement_text(consistent)}, "
+                    "so their decisions were not taken together: every rank must load the same "
+                    "state_dict and call scale/unscale_/step/update in the same order"
                 )
         return self._host_values
 
@@ -362,36 +363,37 @@ class Decider:
         count = self._counts.get((device, steps))
         if count is None:
             count = self._counts[(device, steps)] = _dlpack.counter_on(device, steps)
-        if spikes is not None:
-            return self._with_spikes(
-                config,
-                grads,
-                layout,
-                carry,
-                before,
-                crossing,
-                count,
-                spikes,
-                loss,
-                params,
-                optimizers,
-            )
+        window = None if spikes is None else spikes.packed_on(device)
+        losses: tuple[Any, ...] = ()  # the loss's JAX view, for SpikeSkip(metric="loss")
+        if loss is not None:
+            loss = loss if loss.device == device else loss.to(device)
+            losses = _dlpack.import_tensors([loss])
+        next_spikes = None
         collective = _distributed.collective(self.process_group)
         if collective is None:
             arrays = _imports(grads.sharded + grads.replicated, grads.kept)
-            out = _cores.local_core(config, branch_free)(before, arrays, count)
-            keep: tuple[Any, ...] = ()
+            if window is None:
+                out = _cores.local_core(config, branch_free)(before, arrays, count)
+            else:
+                out, next_spikes = _cores.local_spike_core(config, branch_free)(
+                    before, window, arrays, count, losses[0] if losses else None
+                )
+            keep: tuple[Any, ...] = (loss,)
         else:
             sharded = _dlpack.import_tensors(grads.sharded)
             replicated = _imports(grads.replicated, grads.kept)
             partials = _dlpack.to_torch(
-                _cores.partials_core(branch_free)(before, sharded, replicated)
+                _cores.partials_core(branch_free)(before, window, sharded, replicated, *losses)
             )
             gathered = layout.arrange(collective.gather(partials))
-            out = _cores.distributed_core(config, layout.replicas)(
-                before, _dlpack.to_jax(gathered), count
-            )
-            keep = (partials, gathered)
+            rows = _dlpack.to_jax(gathered)
+            if window is None:
+                out = _cores.distributed_core(config, layout.replicas)(before, rows, count)
+            else:
+                out, next_spikes = _cores.distributed_spike_core(config, layout.replicas)(
+                    before, window, rows, count
+                )
+            keep = (partials, gathered, loss)
         packed = _carry.exported_carry(out, crossing)  # the imports may go once this returns
         full = packed[Slot.MULTIPLIER]
         clips = config.clips
@@ -411,75 +413,8 @@ class Decider:
             keep=keep,
             read=grads,
             sole=_sole(optimizers, params),
-        )
-        if collective is not None and crossing.host_is_device:
-            decision.host_values()  # free here; checks that the ranks agreed
-        return decision
-
-    def _with_spikes(
-        self,
-        config: amp_core.DynamicLossScale,
-        grads: _gradients.GradientRead,
-        layout: Any,
-        carry: Carry,
-        before: jax.Array,
-        crossing: _crossing.Crossing,
-        count: jax.Array,
-        spikes: _spikes.SpikeWindow,
-        loss: torch.Tensor | None,
-        params: Sequence[torch.Tensor],
-        optimizers: Sequence[torch.optim.Optimizer],
-    ) -> Decision:
-        """:meth:`dynamic` with a spike window: the cores that also call ``check_spike``."""
-        device = carry.device
-        assert device is not None  # packed_on placed it
-        branch_free = not crossing.host_is_device
-        window = spikes.packed_on(device)
-        loss_array = None
-        if loss is not None:
-            if loss.device != device:
-                loss = loss.to(device)
-            (loss_array,) = _dlpack.import_tensors([loss])
-        collective = _distributed.collective(self.process_group)
-        if collective is None:
-            arrays = _imports(grads.sharded + grads.replicated, grads.kept)
-            out, next_spikes = _cores.local_spike_core(config, branch_free)(
-                before, window, arrays, count, loss_array
-            )
-            keep: tuple[Any, ...] = (loss,)
-        else:
-            sharded = _dlpack.import_tensors(grads.sharded)
-            replicated = _imports(grads.replicated, grads.kept)
-            extra = () if loss_array is None else (loss_array,)
-            partials = _dlpack.to_torch(
-                _cores.partials_core(branch_free)(before, sharded, replicated, *extra)
-            )
-            gathered = layout.arrange(collective.gather(partials))
-            out, next_spikes = _cores.distributed_spike_core(config, layout.replicas)(
-                before, window, _dlpack.to_jax(gathered), count
-            )
-            keep = (partials, gathered, loss)
-        packed = _carry.exported_carry(out, crossing)
-        full = packed[Slot.MULTIPLIER]
-        clips = config.clips
-        decision = Decision(
-            full=full,
-            unscale=packed[Slot.UNSCALE] if clips else None,
-            clip=packed[Slot.CLIP_MULTIPLIER] if clips else None,
-            pending=dict.fromkeys(map(id, optimizers), full),
-            covered=grads.covered,
-            before=carry,
-            outputs=out,
-            packed=packed,
-            expected_steps=len(optimizers),
-            device=device,
-            host_is_device=crossing.host_is_device,
-            params=params,
-            keep=keep,
-            read=grads,
-            sole=_sole(optimizers, params),
             next_spikes=next_spikes,
         )
         if collective is not None and crossing.host_is_device:
-            decision.host_values()
+            decision.host_values()  # free here; checks that the ranks agreed
         return decision
