@@ -26,7 +26,6 @@ from torch_facade.amp._cbfloat16_kernel import (
     _round_with_carrier,
     round_float32,
     round_float32_branch_free,
-    round_float32_on_integers_branch_free,
 )
 
 FORMAT = get_format("cbfloat16")
@@ -77,13 +76,12 @@ def _assert_same_bits(bits: np.ndarray) -> None:
     _assert_equal_bits(bits, expected, carried.numpy().view(np.uint32), "the carrier path")
     # The branch-free roundings (what torch.compile traces, and the fused path's loop), eagerly
     # and compiled by inductor.
-    for branch_free in (round_float32_branch_free, round_float32_on_integers_branch_free):
-        for path, rounding in [
-            (branch_free.__name__, branch_free),
-            (f"{branch_free.__name__}, compiled", _compiled(branch_free)),
-        ]:
-            x = torch.from_numpy(bits.view(np.float32).copy())
-            _assert_equal_bits(bits, expected, rounding(x).numpy().view(np.uint32), path)
+    for path, rounding in [
+        ("round_float32_branch_free", round_float32_branch_free),
+        ("round_float32_branch_free, compiled", _compiled(round_float32_branch_free)),
+    ]:
+        x = torch.from_numpy(bits.view(np.float32).copy())
+        _assert_equal_bits(bits, expected, rounding(x).numpy().view(np.uint32), path)
     taken = _integer_path_takes(bits.view(np.float32))
     if taken.any():
         x = torch.from_numpy(bits[taken].view(np.float32).copy())
@@ -209,9 +207,11 @@ def test_does_not_modify_its_input_and_keeps_the_shape():
     assert out.data_ptr() != x.data_ptr()
 
 
-def _jax_round_float32(x: torch.Tensor) -> torch.Tensor:
-    """The rounding as the facade computed it before the kernel: ``hardware``'s JAX function."""
-    return torch.from_numpy(np.asarray(FORMAT.round(jnp.asarray(x.detach().numpy()))).copy())
+def _jax_round_float32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rounding as the facade computed it before the kernel: ``hardware``'s JAX function
+    (written into ``out`` where one is given, as the preview's reused buffers ask)."""
+    rounded = torch.from_numpy(np.asarray(FORMAT.round(jnp.asarray(x.detach().numpy()))).copy())
+    return rounded if out is None else out.copy_(rounded)
 
 
 def test_cbfloat16_numerics_on_gpt2_is_bit_identical_to_the_jax_rounding(monkeypatch):
@@ -360,17 +360,6 @@ def test_the_fused_loop_takes_every_size_and_shape_and_returns_a_tensor_of_its_o
     assert torch.equal(inference, values[:1000])
 
 
-def test_under_inductors_unsafe_math_the_traced_rounding_is_the_integer_one():
-    """With the C++ compiler free to reassociate additions, ``(a + c) - c`` may fold into
-    ``a``: the rounding traced into compiled graphs is then the integer one."""
-    import torch._inductor.config as inductor_config
-
-    assert _cbfloat16_kernel.traceable_rounding() is round_float32_branch_free
-    with inductor_config.patch({"cpp.enable_unsafe_math_opt_flag": True}):
-        assert _cbfloat16_kernel.traceable_rounding() is round_float32_on_integers_branch_free
-    assert _cbfloat16_kernel.traceable_rounding() is round_float32_branch_free
-
-
 def test_the_fused_loop_is_its_own_whatever_else_compiled_the_rounding(monkeypatch):
     """Dynamo keeps compiled code per code object: the fused loop traces a copy of the rounding
     with its own, so that compiling the rounding elsewhere in the process (as torch.compile'd
@@ -418,3 +407,37 @@ def test_an_inductor_cache_folder_others_may_write_keeps_the_uncompiled_paths(
     _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "untrusted cache")
     folder.chmod(0o700)  # the user's own: trusted (the check only; no compilation here)
     assert _cbfloat16_kernel._inductor_cache_is_trusted()
+
+
+def test_rounding_into_a_given_tensor_writes_the_same_bits_there():
+    """``out=``: the fused loop writes into the tensor given (a contiguous input), and the
+    integer and carrier paths copy their result into it (a strided input; a tiny one)."""
+    x = _large_mixed_tensor()
+    for source in (x, x.view(512, -1).t(), x[:1]):
+        out = torch.full(source.shape, 7.0)
+        assert round_float32(source, out=out) is out
+        expected = _hardware_bits(source)
+        _assert_equal_bits(
+            source.contiguous().numpy().view(np.uint32), expected,
+            out.contiguous().numpy().view(np.uint32), f"into out, shape {tuple(source.shape)}",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("out", "match"),
+    [
+        (torch.empty(4, dtype=torch.float64), "contiguous float32 tensor of x's shape"),
+        (torch.empty(5), r"shape \(4,\)"),
+        (torch.empty(8)[::2], "not contiguous"),
+        ([0.0] * 4, "must be a torch.Tensor"),
+    ],
+)
+def test_a_wrong_out_is_rejected(out: object, match: str):
+    with pytest.raises(ValueError, match=match):
+        round_float32(torch.ones(4), out=out)  # type: ignore[arg-type]
+
+
+def test_out_may_not_share_memory_with_the_input():
+    x = torch.ones(8)
+    with pytest.raises(ValueError, match="must not share memory with x"):
+        round_float32(x, out=x)
