@@ -108,23 +108,13 @@ _ROUND_BIT = 1 << _DROPPED_BITS
 _KEPT_BITS = -_ROUND_BIT  # ~0x3FFF as an int32
 
 
-def round_float32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def round_float32(x: torch.Tensor) -> torch.Tensor:
     """Rounds a float32 tensor to cbfloat16 values (a new float32 tensor, same shape).
 
     Bit-identical to ``hardware.get_format("cbfloat16").round`` on every float32 input.
 
     Args:
         x: a float32 tensor (any device torch supports integer and float element-wise on).
-        out: where to write the result instead of a new tensor: contiguous, float32, of ``x``'s
-            shape and device, not sharing memory with ``x``. On the CPU's fused path the loop
-            writes into it directly (what ``cbfloat16_numerics`` uses to reuse its buffers
-            across iterations); the other paths copy their result into it.
-
-    Returns:
-        The rounded tensor (``out`` when given).
-
-    Raises:
-        ValueError: ``out`` is not such a tensor.
 
     Example:
         >>> import torch
@@ -132,37 +122,16 @@ def round_float32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
         >>> x = torch.tensor([1 + 2**-10, 65504.0, 2.0**-39, 2.0**-40, -1e10, float("nan")])
         >>> round_float32(x).tolist()
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
-        >>> buffer = torch.empty(6)
-        >>> round_float32(x, out=buffer) is buffer
-        True
     """
-    if out is not None:
-        _check_out(x, out)
     if x.device.type == "cpu" and x.numel() > 0:
         if x.numel() >= FUSED_FROM and x.is_contiguous():
             fused = _fused_rounding()
             if fused is not None:
-                return fused(x, out)
+                return fused(x)
         rounded = _round_on_integers(x)
         if rounded is not None:
-            return rounded if out is None else out.copy_(rounded)
-    rounded = _round_with_carrier(x)
-    return rounded if out is None else out.copy_(rounded)
-
-
-def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"out must be a torch.Tensor or None; got {type(out).__name__}")
-    wanted = (torch.float32, x.shape, x.device)
-    got = (out.dtype, out.shape, out.device)
-    if got != wanted or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous float32 tensor of x's shape {tuple(x.shape)} on "
-            f"{x.device}; got {out.dtype}, shape {tuple(out.shape)} on {out.device}, "
-            f"{'contiguous' if out.is_contiguous() else 'not contiguous'}"
-        )
-    if out.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError("out must not share memory with x (round into another tensor)")
+            return rounded
+    return _round_with_carrier(x)
 
 
 FUSED_FROM = 2
@@ -170,14 +139,11 @@ FUSED_FROM = 2
 dynamic size specialises sizes 0 and 1). Called directly, the compiled loop is cheaper than the
 integer path at every size from there (docs/performance-notes.md)."""
 
-_Fused = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-"""The fused loop as :func:`_compile_loop` returns it: ``(x, out)``, ``out`` optional."""
-
-_FUSED: list[_Fused | None] = []
+_FUSED: list[Callable[[torch.Tensor], torch.Tensor] | None] = []
 """The fused rounding once tried: ``[function]``, or ``[None]`` where it cannot be compiled."""
 
 
-def _fused_rounding() -> _Fused | None:
+def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """:func:`round_float32_branch_free` compiled by inductor into one loop over the tensor (one
     read, one write, against the integer path's eight passes), or ``None`` where it cannot be
     compiled here (no C++ compiler, an unsupported platform, ``TORCHDYNAMO_DISABLE``, or
@@ -186,10 +152,10 @@ def _fused_rounding() -> _Fused | None:
     compiled loop that does not give the carrier path's bits on a probe is not used."""
     if _FUSED:
         return _FUSED[0]
-    fused: _Fused | None = None
+    fused: Callable[[torch.Tensor], torch.Tensor] | None = None
     if os.environ.get("CSTORCH_CBFLOAT16_FUSED", "1") != "0" and _inductor_cache_is_trusted():
         try:
-            fused = _compile_loop(_rounding_into)
+            fused = _compile_loop(round_float32_branch_free)
             if fused is not None and not _rounds_the_probe(fused):
                 fused = None
         except Exception:  # any failure to compile leaves the integer path
@@ -245,73 +211,56 @@ def prepare_fused_rounding() -> bool:
     return _fused_rounding() is not None
 
 
-def _rounding_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """:func:`round_float32_branch_free` of ``x`` written into ``out``: the function the fused
-    loop is compiled from (inductor writes the result into ``out`` itself)."""
-    out.copy_(round_float32_branch_free(x))
+def _compile_loop(
+    rounding: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``rounding`` compiled by inductor for one-dimensional float32 tensors of any size, as a
+    function of a contiguous tensor of any shape; ``None`` if inductor is not handed the graph
+    expected.
 
-
-def _compile_loop(rounding: Callable[[torch.Tensor, torch.Tensor], None]) -> _Fused | None:
-    """``rounding(x, out)`` compiled by inductor for one-dimensional float32 tensors of any
-    size, as a function of a contiguous tensor of any shape and an optional ``out`` (a new
-    tensor when absent); ``None`` if inductor is not handed the graph expected.
-
-    Dynamo traces it once (a dynamic size) and hands inductor the graph; inductor keeps the
-    write into ``out`` (a mutated input of an inference graph) in its loop, so the loop writes
-    the rounded values into ``out`` and allocates nothing. The loop is then called directly,
-    without dynamo's guards and wrappers (most of a guarded call's cost). That is sound because
-    every call passes what the guards check: detached, contiguous float32 CPU tensors of one
-    dimension with at least ``FUSED_FROM`` elements, of the same size, not sharing memory, and
-    that size. Dynamo keeps what it compiled with each code object, so the function traced is a
-    copy of ``rounding`` with a code object of its own: another ``torch.compile`` of the
-    rounding in the process neither answers for it nor counts against its recompile limit.
+    Dynamo traces it once (a dynamic size) and hands inductor the graph; the loop inductor
+    returns is then called directly, without dynamo's guards and wrappers (most of a guarded
+    call's cost). That is sound because every call passes what the guards check: a detached,
+    contiguous float32 CPU tensor of one dimension with at least ``FUSED_FROM`` elements, and
+    its size. Dynamo keeps what it compiled with each code object, so the function traced is a
+    copy of ``rounding`` with a code object of its own: another ``torch.compile`` of
+    ``rounding`` in the process neither answers for it nor counts against its recompile limit.
     """
     import torch._inductor
 
-    captured: list[tuple[Callable[..., Any], list[object], list[str]]] = []
+    captured: list[tuple[Callable[..., list[torch.Tensor]], list[object]]] = []
 
     def keep(graph: torch.fx.GraphModule, example_inputs: list[object]) -> Callable[..., Any]:
         loop = torch._inductor.compile(graph, example_inputs)  # type: ignore[arg-type]
-        names = [node.name for node in graph.graph.nodes if node.op == "placeholder"]
-        captured.append((loop, list(example_inputs), names))
+        captured.append((loop, example_inputs))
         return loop
 
     function = cast(types.FunctionType, rounding)
     copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
     traced = torch.compile(copy, dynamic=True, fullgraph=True, backend=keep)
     with torch.no_grad():  # an inference graph (no autograd wrapper around the loop)
-        size = FUSED_FROM + 15  # any size past dynamo's 0/1 specialisation
-        traced(torch.zeros(size), torch.empty(size))
-    if len(captured) != 1:
+        traced(torch.zeros(FUSED_FROM + 15))  # any size past dynamo's 0/1 specialisation
+    sized = [isinstance(value, torch.SymInt) for value in captured[0][1]] if captured else []
+    if len(captured) != 1 or sorted(sized) != [False, True]:
         return None
-    loop, inputs, names = captured[0]
-    roles: list[str] = []
-    for value, name in zip(inputs, names, strict=True):
-        if isinstance(value, torch.SymInt):
-            roles.append("size")
-        elif isinstance(value, torch.Tensor):
-            roles.append("out" if "out" in name else "x")
-        else:
-            return None
-    if sorted(roles) != ["out", *["size"] * roles.count("size"), "x"] or "size" not in roles:
-        return None
-    order = tuple(roles)
+    loop, size_first = captured[0][0], sized[0]
 
-    def direct(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # No grad-mode context: the loop writes through raw pointers, so nothing is recorded
-        # for autograd (its inputs detached); the context was a sizeable share of the call.
-        if out is None:
-            out = torch.empty(x.shape, dtype=torch.float32)
-        arguments = {"x": x.detach().view(-1), "out": out.detach().view(-1), "size": x.numel()}
-        loop(*[arguments[role] for role in order])
-        return out
+    def direct(x: torch.Tensor) -> torch.Tensor:
+        # No grad-mode context: the loop writes a new tensor through raw pointers, so nothing
+        # is recorded for autograd (its input detached); the context was a sizeable share of
+        # the call.
+        flat = x.detach().view(-1)
+        out = loop(x.numel(), flat) if size_first else loop(flat, x.numel())
+        # resize_, not view: a view made inside an autograd Function may not be changed in
+        # place later (a module's output multiplied in place, say), and the result is new.
+        return out[0].resize_(x.shape)
 
     return direct
 
 
-def _rounds_the_probe(loop: _Fused) -> bool:
+def _rounds_the_probe(loop: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     """Whether ``loop`` gives the carrier path's bits on ordinary values, every special one and
-    two sizes (one not a multiple of any vector width), into a new tensor and into a given one."""
+    two sizes (one not a multiple of any vector width)."""
     specials = torch.tensor(
         [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2.0**31, 2.0**32 - 2.0**8,
          -(2.0**32), 3e38, 2.0**-40, 3 * 2.0**-40, -(2.0**-149), 1 + 2.0**-10, 1 + 3 * 2.0**-10]
@@ -319,10 +268,7 @@ def _rounds_the_probe(loop: _Fused) -> bool:
     ordinary = torch.linspace(-3.0, 3.0, 4099) * 2.0**-7
     for probe in (torch.cat([ordinary, specials]), specials[:3]):
         expected = _round_with_carrier(probe).view(torch.int32)
-        if not torch.equal(loop(probe, None).view(torch.int32), expected):
-            return False
-        into = torch.full_like(probe, 7.0)
-        if loop(probe, into) is not into or not torch.equal(into.view(torch.int32), expected):
+        if not torch.equal(loop(probe).view(torch.int32), expected):
             return False
     return True
 
@@ -379,8 +325,8 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     the bits gives NaNs the quiet NaN's (eleven element-wise operations and no select; the bit
     views are free). It needs IEEE arithmetic as written, which inductor keeps unless its
     unsafe-math flag is on (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``, which lets the
-    C++ compiler fold ``(a + c) - c`` into ``a``); :func:`traceable_rounding` then picks
-    :func:`round_float32_on_integers_branch_free`.
+    C++ compiler fold ``(a + c) - c`` into ``a``): a loop compiled so fails the probe
+    (:func:`_rounds_the_probe`) and the integer path stays.
 
     Bit-identical to ``hardware.get_format("cbfloat16").round`` on every float32 input, as
     :func:`round_float32` is.

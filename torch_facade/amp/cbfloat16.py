@@ -45,8 +45,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -62,95 +60,12 @@ _EXACT_DTYPES = (torch.float32, torch.float64)
 """Dtypes that hold every cbfloat16 value exactly."""
 
 
-def _round_values(tensor: torch.Tensor, buffers: _Buffers | None = None) -> torch.Tensor:
-    """The rounded values of ``tensor`` as a float32 tensor on its device (no autograd): a new
-    one, or one of ``buffers``' (:class:`_Buffers`) where they serve it."""
+def _round_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The rounded values of ``tensor`` as a new float32 tensor on its device (no autograd)."""
     source = tensor.detach()
     if source.dtype != torch.float32:
         source = source.to(torch.float32)
-    if buffers is not None and buffers.serve(source):
-        return _cbfloat16_kernel.round_float32(source, out=buffers.take(source.shape))
     return _cbfloat16_kernel.round_float32(source)
-
-
-class _Buffers:
-    """The float32 buffers one model's eager preview rounds into, reused from iteration to
-    iteration (:func:`cbfloat16_numerics` makes one per entry).
-
-    Why: the preview makes about 180 rounded tensors an iteration of a small GPT-2 (weights,
-    activations, their gradients). Made and freed by glibc's ``malloc`` each time, they made
-    the heap grow around them, hand memory back to the system after a backward pass and fault
-    it in again in the next forward pass (thousands of page faults an iteration), which cost
-    time and peak memory. Served from here, an iteration in the steady state allocates none:
-    each rounding writes into a buffer of the same size that an earlier one released.
-
-    When a buffer is free: the pool holds each buffer's storage (``UntypedStorage``) and
-    nothing else; every tensor that uses the memory (the rounded tensor, its views, autograd's
-    saved copies, a ``.grad`` that took it, a user's reference) holds the storage too. So a
-    storage whose use count is 1 is referenced by the pool alone: no tensor can read or write
-    it, and a rounding may write into it. One lock makes the check and the claim one step.
-
-    What it keeps: at each forward pass of the model (:meth:`new_iteration`), the buffers that
-    no rounding took since the one before are dropped, so the pool holds what the last
-    iterations used, never more than they had alive at once of each size. CPU only (where the
-    fused loop writes into a given tensor; CUDA's caching allocator already reuses memory)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_numel: dict[int, list[list[Any]]] = {}  # numel -> [[storage, last taken]]
-        self._iteration = 0
-        self.made = 0
-        """Buffers allocated so far (the steady state allocates none)."""
-        self.taken = 0
-        """Roundings served so far."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Buffers:
-        return _Buffers()  # a copy of the model (inside the context) starts its own pool
-
-    @staticmethod
-    def serve(source: torch.Tensor) -> bool:
-        """Whether the rounding of ``source`` (float32, detached) can be written into a buffer:
-        a contiguous CPU tensor the fused loop takes."""
-        return (
-            source.device.type == "cpu"
-            and source.numel() >= _cbfloat16_kernel.FUSED_FROM
-            and source.is_contiguous()
-            and _cbfloat16_kernel.prepare_fused_rounding()
-        )
-
-    def take(self, shape: torch.Size) -> torch.Tensor:
-        """A contiguous float32 tensor of ``shape`` on a free buffer (a new one if none is)."""
-        numel = shape.numel()
-        with self._lock:
-            entries = self._by_numel.setdefault(numel, [])
-            for entry in entries:  # the first free one: those further on go stale when unused
-                if torch._C._storage_Use_Count(entry[0]._cdata) == 1:
-                    break
-            else:
-                entry = [torch.empty(numel, dtype=torch.float32).untyped_storage(), 0]
-                entries.append(entry)
-                self.made += 1
-            entry[1] = self._iteration
-            self.taken += 1
-            strides = _contiguous_strides(shape)
-            return torch.empty(0, dtype=torch.float32).set_(entry[0], 0, shape, strides)
-
-    def new_iteration(self) -> None:
-        """Drops the buffers no rounding took since the previous call."""
-        with self._lock:
-            self._iteration += 1
-            stale = self._iteration - 2
-            for numel, entries in list(self._by_numel.items()):
-                kept = [entry for entry in entries if entry[1] > stale]
-                if kept:
-                    self._by_numel[numel] = kept
-                else:
-                    del self._by_numel[numel]
-
-    def held_bytes(self) -> int:
-        """The bytes of every buffer held (free or in use)."""
-        with self._lock:
-            return sum(4 * numel * len(entries) for numel, entries in self._by_numel.items())
 
 
 def _check_floating_tensor(value: Any, argument: str) -> torch.Tensor:
@@ -251,27 +166,6 @@ class _CastToCbfloat16(_RoundToCbfloat16):
         return _round_values(grad_output).to(ctx.input_dtype)
 
 
-class _PreviewCast(torch.autograd.Function):
-    """:class:`_CastToCbfloat16` for :func:`cbfloat16_numerics`: the values rounded into the
-    model's buffers (:class:`_Buffers`), the gradient too unless it is a parameter's (which
-    becomes ``.grad``, held past the iteration by the optimizer's loop: not the pool's)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, buffers: _Buffers | None, pooled_gradient: bool
-    ) -> torch.Tensor:
-        ctx.input_dtype = tensor.dtype
-        ctx.gradient_buffers = buffers if pooled_gradient else None
-        out_dtype = torch.promote_types(tensor.dtype, torch.float32)
-        return _round_values(tensor, buffers).to(out_dtype)
-
-    @staticmethod
-    @host_side  # torch's autograd engine calls it: behind the boundary, as the forward is
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        rounded = _round_values(grad_output, ctx.gradient_buffers)
-        return rounded.to(ctx.input_dtype), None, None
-
-
 @host_side
 def cast_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     """Casts a floating tensor to cbfloat16 (in float32) in both directions, like ``.to(dtype)``.
@@ -335,20 +229,11 @@ def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     return _RoundToCbfloat16.apply(_check_floating_tensor(tensor, "tensor"))
 
 
-def _reuse_buffers() -> bool:
-    """Whether :func:`cbfloat16_numerics` rounds into per-model buffers reused across iterations
-    (:class:`_Buffers`), unless ``CSTORCH_CBFLOAT16_REUSE_BUFFERS=0`` says to allocate every
-    rounded tensor anew (the same bits; a test compares the two)."""
-    return os.environ.get("CSTORCH_CBFLOAT16_REUSE_BUFFERS", "1") != "0"
-
-
 _CAST_VERSION = "_cstorch_cbfloat16_cast_version"
 """The attribute :func:`_cast` leaves on its results: their version counter when made."""
 
 
-def _cast(
-    tensor: torch.Tensor, buffers: _Buffers | None = None, pooled_gradient: bool = True
-) -> torch.Tensor:
+def _cast(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`cast_to_cbfloat16` of a tensor known to be float32 or float64, for the hooks of
     :func:`cbfloat16_numerics` (about 200 casts an iteration of a small GPT-2): eagerly, the
     autograd function itself, without the argument check and the boundary's wrapper; under
@@ -359,19 +244,13 @@ def _cast(
     Eagerly, a tensor that is itself one of these casts' results, unchanged since (its version
     counter as it was), is returned as it is: a ``Dropout(p=0)`` returns its input, a container
     its last submodule's output. Its values are on the grid already, and its gradient is rounded
-    by the cast that made it, once all its uses are summed.
-
-    ``buffers``: the model's pool the eager rounding writes into (:class:`_Buffers`), for the
-    gradient too where ``pooled_gradient``."""
+    by the cast that made it, once all its uses are summed."""
     if torch.compiler.is_compiling():
         return _CAST_OPERATOR[0](tensor)
     made_at = getattr(tensor, _CAST_VERSION, None)
     if made_at is not None and made_at == tensor._version:
         return tensor
-    if buffers is None:
-        rounded = cast(torch.Tensor, _CastToCbfloat16.apply(tensor))
-    else:
-        rounded = cast(torch.Tensor, _PreviewCast.apply(tensor, buffers, pooled_gradient))
+    rounded = cast(torch.Tensor, _CastToCbfloat16.apply(tensor))
     if not rounded.is_inference():  # inference tensors have no version counter: cast again
         setattr(rounded, _CAST_VERSION, rounded._version)
     return rounded
@@ -385,16 +264,10 @@ parameter it was rounded from, and that parameter's version counter then."""
 class _RoundParametrization(torch.nn.Module):
     """The parametrization :func:`cbfloat16_numerics` registers: the effective tensor is the
     rounded original. Eagerly, the result remembers its parameter (:data:`_MASTER`), so that a
-    backward pass that needs it recomputes it instead of holding it (:class:`_RecomputeWeights`).
-    The rounded weight is written into the model's buffers (``pool``); its gradient, which
-    becomes the parameter's ``.grad``, is not."""
-
-    def __init__(self, pool: _Buffers | None = None) -> None:
-        super().__init__()
-        self.pool = pool
+    backward pass that needs it recomputes it instead of holding it (:class:`_RecomputeWeights`)."""
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        rounded = _cast(tensor, self.pool, pooled_gradient=False)
+        rounded = _cast(tensor)
         if torch.compiler.is_compiling():
             return rounded
         if rounded is not tensor and hasattr(rounded, _CAST_VERSION):  # not an inference tensor
@@ -406,12 +279,9 @@ class _Recomputed:
     """What :class:`_RecomputeWeights` keeps for a saved rounded parameter (or a view of one):
     the parameter, its version, the dtype and the view's geometry."""
 
-    __slots__ = ("buffers", "dtype", "master", "offset", "size", "stride", "version")
+    __slots__ = ("dtype", "master", "offset", "size", "stride", "version")
 
-    def __init__(
-        self, master: torch.Tensor, version: int, saved: torch.Tensor, buffers: _Buffers | None
-    ) -> None:
-        self.buffers = buffers
+    def __init__(self, master: torch.Tensor, version: int, saved: torch.Tensor) -> None:
         self.master = master
         self.version = version
         self.dtype = saved.dtype
@@ -420,7 +290,7 @@ class _Recomputed:
         self.offset = saved.storage_offset()
 
 
-def _pack(saved: torch.Tensor, buffers: _Buffers | None = None) -> Any:
+def _pack(saved: torch.Tensor) -> Any:
     """A saved tensor that is a rounded parameter (or a view of one), unchanged since it was
     made: its parameter, to round again when the backward pass needs it; any other: itself."""
     base = saved._base if saved._is_view() else saved
@@ -432,7 +302,7 @@ def _pack(saved: torch.Tensor, buffers: _Buffers | None = None) -> Any:
     master, version = made
     if master._version != version or saved.dtype != base.dtype:
         return saved
-    return _Recomputed(master, version, saved, buffers)
+    return _Recomputed(master, version, saved)
 
 
 def _unpack(packed: Any) -> torch.Tensor:
@@ -446,7 +316,7 @@ def _unpack(packed: Any) -> torch.Tensor:
             "forward pass and the backward pass that needs its rounded value; run backward() "
             "before changing the parameters"
         )
-    rounded = _round_values(master, packed.buffers).to(packed.dtype)
+    rounded = _round_values(master).to(packed.dtype)
     return rounded.as_strided(packed.size, packed.stride, packed.offset)
 
 
@@ -459,24 +329,17 @@ class _RecomputeWeights:
     second copy of the model). The backward pass computes with the same bits, and pays one
     more rounding of each weight."""
 
-    def __init__(self, buffers: _Buffers | None = None) -> None:
+    def __init__(self) -> None:
         self._entered: list[Any] = []
-        self.buffers = buffers
-
-    def _pack(self, saved: torch.Tensor) -> Any:
-        return _pack(saved, self.buffers)
 
     def enter(self, module: torch.nn.Module, args: Any) -> None:
         """The model's forward pre-hook (nothing under ``torch.compile``, whose graphs round
-        inside their own kernels); an outermost forward pass starts a new iteration of the
-        model's buffers."""
+        inside their own kernels)."""
         if torch.compiler.is_compiling():
             return
-        if self.buffers is not None and not self._entered:
-            self.buffers.new_iteration()
         hooks = None
         if torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
         self._entered.append(hooks)
 
@@ -489,32 +352,27 @@ class _RecomputeWeights:
             hooks.__exit__(None, None, None)
 
 
-def _round_tree(value: Any, buffers: _Buffers | None = None) -> Any:
+def _round_tree(value: Any) -> Any:
     """Rounds every float32/float64 tensor in nested tuples, lists and dicts; keeps the rest."""
     if isinstance(value, torch.Tensor):
-        return _cast(value, buffers) if value.dtype in _EXACT_DTYPES else value
+        return _cast(value) if value.dtype in _EXACT_DTYPES else value
     # Lists, not generator expressions: dynamo traces a list comprehension inside the compiled
     # frame, and gives up on a generator (a hook frame it skips, with a note in its counters).
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*[_round_tree(v, buffers) for v in value])
+        return type(value)(*[_round_tree(v) for v in value])
     if isinstance(value, (tuple, list)):
-        return type(value)([_round_tree(v, buffers) for v in value])
+        return type(value)([_round_tree(v) for v in value])
     if isinstance(value, dict):
-        return type(value)([(k, _round_tree(v, buffers)) for k, v in value.items()])
+        return type(value)([(k, _round_tree(v)) for k, v in value.items()])
     return value
 
 
-class _RoundingHooks:
-    """The module hooks of :func:`cbfloat16_numerics`, rounding into one model's buffers."""
+def _round_inputs_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict) -> Any:
+    return _round_tree(args), _round_tree(kwargs)
 
-    def __init__(self, buffers: _Buffers | None) -> None:
-        self.buffers = buffers
 
-    def inputs(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict) -> Any:
-        return _round_tree(args, self.buffers), _round_tree(kwargs, self.buffers)
-
-    def outputs(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        return _round_tree(output, self.buffers)
+def _round_outputs_hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    return _round_tree(output)
 
 
 def _model_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -608,12 +466,7 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     does not hold a second copy of the weights between the two passes; the backward pass
     computes with the same bits. As for any saved weight, changing a parameter in place
     between the forward pass and that backward pass (an optimizer step) is a
-    ``RuntimeError`` at the backward pass. Eagerly on the CPU, the rounded weights, activations
-    and activation gradients are written into float32 buffers that the context keeps for the
-    model and reuses from iteration to iteration (a buffer only once no tensor refers to it:
-    an output you keep is never written), so that after the first iterations an iteration
-    allocates none of them; it keeps what the last iterations had alive at once, and drops
-    the rest. ``CSTORCH_CBFLOAT16_REUSE_BUFFERS=0`` allocates each anew (the same bits).
+    ``RuntimeError`` at the backward pass.
 
     On the CPU the first entry in a process also compiles the rounding loop (seconds: about
     7 s with an empty inductor cache, 2.5 s with a warm one; ``CSTORCH_CBFLOAT16_FUSED=0``
@@ -659,16 +512,14 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         # The fused CPU rounding is compiled here, once per process, not inside a first
         # iteration: dynamo reads parametrized weights eagerly while it traces a compiled model.
         _cbfloat16_kernel.prepare_fused_rounding()
-    buffers = _Buffers() if _reuse_buffers() else None
-    rounding = _RoundingHooks(buffers)
     with contextlib.ExitStack() as undo:
-        handle = module.register_forward_pre_hook(rounding.inputs, with_kwargs=True)
+        handle = module.register_forward_pre_hook(_round_inputs_hook, with_kwargs=True)
         undo.callback(handle.remove)
-        recompute = _RecomputeWeights(buffers)
+        recompute = _RecomputeWeights()
         handle = module.register_forward_pre_hook(recompute.enter)
         undo.callback(handle.remove)
         for submodule in hooked:
-            handle = submodule.register_forward_hook(rounding.outputs)
+            handle = submodule.register_forward_hook(_round_outputs_hook)
             undo.callback(handle.remove)
         handle = module.register_forward_hook(recompute.exit, always_call=True)
         undo.callback(handle.remove)
@@ -676,7 +527,7 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
             # Runs last: removing a parametrization re-registers the parameter at the end.
             undo.callback(_restore_order, owner, list(owner._parameters))
         for owner, name in targets:
-            parametrization = _RoundParametrization(buffers)
-            parametrize.register_parametrization(owner, name, parametrization)
-            undo.callback(_remove_rounding, owner, name, parametrization)
+            rounding = _RoundParametrization()
+            parametrize.register_parametrization(owner, name, rounding)
+            undo.callback(_remove_rounding, owner, name, rounding)
         yield module
