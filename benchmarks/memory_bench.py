@@ -233,9 +233,14 @@ def run(
     device: str = "cpu",
     seed: int = 0,
     tick: Callable[[], None] = lambda: None,
+    warm: bool = True,
 ) -> dict[str, Any]:
     """Measures every variant at every size, one fresh process each, ``rounds`` times
     (variants alternating); returns the medians, the ratios and every sample.
+
+    ``warm``: first compile the facade's decision cores into the run's own cache (a process per
+    facade variant and size), so that every row is a script's second run; ``False`` leaves
+    that out, and the facade rows are first runs (the core compiled in the first iteration).
 
     Raises:
         ValueError: an unknown variant, no size, or ``rounds``/``steps`` below 1.
@@ -252,7 +257,7 @@ def run(
         # As a script's second run: each facade loop's decision core compiled first, into this
         # run's own cache (a first run also compiles it, in the first iteration: tens of MB
         # more at M, docs/performance-notes.md).
-        for size in sizes:
+        for size in sizes if warm else ():
             for variant in variants:
                 if variant not in ("float32", "torch", "torch+clip"):
                     _child(variant, size, 1, device, seed, cache)

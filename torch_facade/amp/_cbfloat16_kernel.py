@@ -66,7 +66,6 @@ with no read.
 from __future__ import annotations
 
 import os
-import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -81,13 +80,10 @@ __all__ = [
     "prepare_fused_rounding",
     "round_float32",
     "round_float32_branch_free",
-    "round_float32_on_integers_branch_free",
-    "traceable_rounding",
 ]
 
 _ABS = 0x7FFFFFFF
 _SIGN = -0x80000000  # 0x80000000 as an int32
-_INF = 0x7F800000
 _EXPONENT = 0x7F800000
 _QUIET_NAN = 0x7FC00000
 _MANTISSA_SHIFT = 23
@@ -110,7 +106,6 @@ _MAY_OVERFLOW_FIELD = _field(_HIGHEST_EXPONENT - 1)  # below 2**31 nothing round
 _SHIFT_EXACT_FROM = _LOWEST_FIELD  # 2**-30: from here up cbfloat16's quantum is 2**14 ulps
 _ROUND_BIT = 1 << _DROPPED_BITS
 _KEPT_BITS = -_ROUND_BIT  # ~0x3FFF as an int32
-_SUBNORMAL_QUANTUM = 2.0**-39  # cbfloat16's quantum below 2**-30
 
 
 def round_float32(x: torch.Tensor) -> torch.Tensor:
@@ -330,8 +325,8 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     the bits gives NaNs the quiet NaN's (eleven element-wise operations and no select; the bit
     views are free). It needs IEEE arithmetic as written, which inductor keeps unless its
     unsafe-math flag is on (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``, which lets the
-    C++ compiler fold ``(a + c) - c`` into ``a``); :func:`traceable_rounding` then picks
-    :func:`round_float32_on_integers_branch_free`.
+    C++ compiler fold ``(a + c) - c`` into ``a``): a loop compiled so fails the probe
+    (:func:`_rounds_the_probe`) and the integer path stays.
 
     Bit-identical to ``hardware.get_format("cbfloat16").round`` on every float32 input, as
     :func:`round_float32` is.
@@ -357,52 +352,3 @@ def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
     rounded = rounded * 2.0**96 * 2.0**-96
     # A NaN's bits: clamped at the quiet NaN's (steps 3 and 4 of the carrier path), no select.
     return (rounded.view(torch.int32).clamp(max=_QUIET_NAN) | (bits & _SIGN)).view(torch.float32)
-
-
-def round_float32_on_integers_branch_free(x: torch.Tensor) -> torch.Tensor:
-    """:func:`round_float32_branch_free` with integer rounding, for inductor's unsafe math: the
-    integer path's rounding on every magnitude from ``2**-30`` up, and the quantum ``2**-39``
-    below it by products and ``round()``, which no reassociation of additions can change.
-    Slower (about nineteen operations an element); bit-identical.
-
-    Args:
-        x: a float32 tensor.
-
-    Example:
-        >>> import torch
-        >>> from torch_facade.amp._cbfloat16_kernel import round_float32_on_integers_branch_free
-        >>> x = torch.tensor([1 + 2**-10, 65504.0, 2.0**-39, 2.0**-40, -1e10, float("nan")])
-        >>> round_float32_on_integers_branch_free(x).tolist()
-        [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
-    """
-    bits = x.view(torch.int32)
-    magnitude = bits & _ABS
-    # The integer path's rounding, on magnitudes clamped at inf's (no int32 overflow for NaNs).
-    clamped = magnitude.clamp(max=_INF)
-    nearest = (clamped + ((clamped >> _DROPPED_BITS) & 1) + (_ROUND_BIT // 2 - 1)) & _KEPT_BITS
-    # Below 2**-30 the quantum is 2**-39: both products are exact, round() is to nearest even.
-    subnormal = (x.abs() * (1 / _SUBNORMAL_QUANTUM)).round() * _SUBNORMAL_QUANTUM
-    rounded = torch.where(magnitude < _LOWEST_FIELD, subnormal.view(torch.int32), nearest)
-    rounded = torch.where(rounded >= _HIGHEST_FIELD, _INF, rounded)  # 2**32 and up: inf
-    rounded = torch.where(magnitude > _INF, _QUIET_NAN, rounded)
-    return (rounded | (bits & _SIGN)).view(torch.float32)
-
-
-def traceable_rounding() -> Callable[[torch.Tensor], torch.Tensor]:
-    """The branch-free rounding to trace into ``torch.compile`` graphs: the carrier one, or the
-    integer one where inductor's C++ unsafe-math flag is on (its configuration if imported,
-    else the environment variable that sets it). Called eagerly: dynamo would not trace the
-    reads. (``cbfloat16_numerics`` no longer traces a rounding: its compiled graphs call the
-    operator ``cstorch::cbfloat16_cast``, which runs :func:`round_float32`.)
-
-    Example:
-        >>> from torch_facade.amp import _cbfloat16_kernel
-        >>> _cbfloat16_kernel.traceable_rounding().__name__
-        'round_float32_branch_free'
-    """
-    inductor_config = sys.modules.get("torch._inductor.config")
-    if inductor_config is not None:
-        unsafe = bool(inductor_config.cpp.enable_unsafe_math_opt_flag)
-    else:
-        unsafe = os.environ.get("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "0") == "1"
-    return round_float32_on_integers_branch_free if unsafe else round_float32_branch_free
