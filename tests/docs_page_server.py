@@ -25,13 +25,25 @@ import time
 import traceback
 
 
-def _run_child(script: str, output: str) -> None:
-    """In the forked child: runs ``script`` with its output in ``output``; never returns."""
+def run_child(
+    script: str,
+    output: str,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    exit_functions: bool = True,
+) -> None:
+    """In a forked child: runs ``script`` as ``__main__`` with ``args`` (in ``env``, as its whole
+    environment, if given) and its output in ``output``, then exits with its status; never
+    returns. ``exit_functions``: run what the interpreter would run at exit (temporary dirs,
+    ...). Also the workers' runner of ``tests/fork_launcher.py``."""
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.argv = [script]
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    sys.argv = [script, *(args or [])]
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -41,7 +53,8 @@ def _run_child(script: str, output: str) -> None:
         traceback.print_exc()
         code = 1
     try:
-        atexit._run_exitfuncs()  # what the interpreter would run at exit (temporary dirs, ...)
+        if exit_functions:
+            atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -72,7 +85,7 @@ def main(preload: list[str]) -> None:
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            _run_child(script, output)
+            run_child(script, output)
         status, cpu_s = _wait(pid, float(timeout_s))
         print(f"{status}\t{cpu_s:.2f}", flush=True)
 

@@ -20,31 +20,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import runpy
 import sys
-import traceback
 
-
-def _run_worker(script: str, args: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: runs ``script`` with ``args`` in ``env``; never returns."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.argv = [script, *args]
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+from docs_page_server import run_child  # this file's folder is first on the path
 
 
 def main(script: str, preload: list[str]) -> None:
@@ -58,7 +36,7 @@ def main(script: str, preload: list[str]) -> None:
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            _run_worker(script, worker["args"], worker["env"], worker["log"])
+            run_child(script, worker["log"], worker["args"], worker["env"], exit_functions=False)
         names[pid] = worker["name"]
         print(f"started {worker['name']} {pid}", flush=True)
     while names:
