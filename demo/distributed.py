@@ -804,7 +804,9 @@ def _under_torchrun(plan: Plan, command: str, out_dir: Path) -> int:
     try:
         batch = plan.settings.batch_size
         if batch % world:  # every rank says why, then all exit together
-            print(f"rank {rank}: WORLD_SIZE={world} must divide the batch {batch}", file=sys.stderr)
+            # One write, so that the ranks' lines cannot interleave in a shared log.
+            sys.stderr.write(f"rank {rank}: WORLD_SIZE={world} must divide the batch {batch}\n")
+            sys.stderr.flush()
             dist.barrier()
             return 2
         record = train_torch(plan, rank, world)

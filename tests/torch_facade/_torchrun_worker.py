@@ -184,12 +184,13 @@ def refuse_uneven_batch(rank: int, world: int) -> None:
     have, and exits with status 2 (no rank trains, none is left waiting in a collective)."""
     if BATCH % world == 0:
         return
-    print(
+    # One write a line: under an unbuffered stderr, print() writes the text and the newline
+    # apart, and the ranks' lines in one log interleaved (seen once in the suite).
+    sys.stderr.write(
         f"rank {rank}: WORLD_SIZE={world} does not divide the global batch of {BATCH} rows; "
-        "start a world size that divides it",
-        file=sys.stderr,
-        flush=True,
+        "start a world size that divides it\n"
     )
+    sys.stderr.flush()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     os._exit(2)
