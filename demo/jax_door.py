@@ -90,6 +90,20 @@ def _float32_grads(model: GPT, windows: jax.Array, divisor: jax.Array) -> Any:
     return nnx.grad(lambda m: cross_entropy(m, windows) / divisor)(model)
 
 
+# The steps are jitted with the graph definition static, and each row's optimizer holds a fresh
+# optax transformation (closures) in it: every row, seed and k would trace and compile an
+# identical step again (several seconds each on a CPU). Rows with the same format, scaling,
+# configuration, schedule and model share the first one's definition, and so its compiled step.
+_GRAPHDEFS: dict[tuple[Any, ...], Any] = {}
+
+
+def _shared_graphdef(row: Row, settings: Settings, graphdef: Any) -> Any:
+    config = None if row.scaling == "peer" else _config(row, settings)
+    schedule = (settings.steps, settings.learning_rate, settings.warmup_steps)
+    key = (row.scaling == "peer", row.fmt, config, schedule, settings.weight_decay, settings.size)
+    return _GRAPHDEFS.setdefault(key, graphdef)
+
+
 def train_row(
     row: Row,
     settings: Settings,
@@ -111,6 +125,7 @@ def train_row(
             model, adamw(settings), _config(row, settings), wrt=nnx.Param
         )
     graphdef, state = nnx.split((model, optimizer))
+    graphdef = _shared_graphdef(row, settings, graphdef)
     losses: list[float] = []
     skipped: list[bool] = []
     scales: list[float] = []

@@ -137,6 +137,23 @@ def test_the_tiny_run_writes_the_table_the_json_and_the_plots(tiny_run: tuple[li
             assert png.read_bytes().startswith(b"\x89PNG") and f"({png.name})" in text
 
 
+def test_jax_rows_differing_only_in_seed_or_k_reuse_one_compiled_step(
+    tiny_run: tuple[list, Path],
+) -> None:
+    """The fixture trained float32 at seed 0; seed 2 at k = 4 neither traces nor compiles the
+    step again (each row's optimizer holds fresh optax closures in its static graph)."""
+    step = jax_door._STEPS["amp_core", "float32"]
+    compiled = step._cache_size()
+    other = dataclasses.replace(TINY, seed=2, loss_divisor=4)
+    corpus = load_corpus()
+    windows, held_out = training_windows(corpus, other), held_out_windows(corpus, other)
+    result = jax_door.train_row(rows_for("jax")[0], other, windows, held_out, progress=False)
+    assert step._cache_size() == compiled
+    first = tiny_run[0][1].rows[0]
+    assert result.row.key == first.row.key == "float32"
+    assert result.train_losses != first.train_losses  # its own seed's weights and batches
+
+
 @pytest.mark.parametrize("front_door", ["torch", "jax"])
 def test_the_library_and_the_peer_take_the_same_skip_decisions(front_door: str) -> None:
     """From a scale that overflows float16 (2**40) both back off on the same steps, to the
