@@ -201,6 +201,11 @@ class ForkedWorker:
         self._launcher, self.name = launcher, name
 
     @property
+    def launcher(self) -> ForkLauncher:
+        """The launch it belongs to."""
+        return self._launcher
+
+    @property
     def returncode(self) -> int | None:
         """Its exit status (``-9`` once killed with SIGKILL); ``None`` while it runs."""
         return self._launcher.codes.get(self.name)
