@@ -265,6 +265,13 @@ def torch_rank(plan: Plan, rank: int, world: int, port: int | None) -> Record:
 # JAX
 
 
+_JAX_STEPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+"""One graph definition and jitted step per (settings, micro-batches, world): the one-process
+runs on the whole batch and on its rows reversed train the same program, so they share its
+compilation (each fresh optimizer holds new optax closures in its graph definition, which a
+jitted step takes as a static argument)."""
+
+
 def train_jax(
     plan: Plan, rank: int, world: int, reverse: bool = False, micro_batches: int = 1
 ) -> Record:
@@ -281,9 +288,6 @@ def train_jax(
     from workbench.byte_gpt_jax import GPT, adamw
 
     settings = plan.settings
-    batches = step_batches(plan, reverse)
-    rows = rows_of(rank, world, settings.batch_size)
-    bad_row = overflow_row(world, settings.batch_size)
     devices = jax.devices() if world > 1 else jax.devices()[:1]
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -301,6 +305,10 @@ def train_jax(
     state = jax.tree.map(
         lambda a: jax.make_array_from_process_local_data(replicated, np.asarray(a)), state
     )
+    key = (settings, micro_batches, world)
+    if key in _JAX_STEPS:
+        graphdef, step = _JAX_STEPS[key]
+        return _run_jax_steps(plan, rank, world, reverse, graphdef, step, state, by_row)
 
     def weighted_loss(m: GPT, windows: jax.Array, weights: jax.Array) -> jax.Array:
         logits = m(windows[:, :-1]).astype(jnp.float32)
@@ -324,6 +332,28 @@ def train_jax(
         return nnx.state((m, opt)), scale, ~isfinite
 
     step = jax.jit(step_fn, static_argnums=0, out_shardings=replicated, donate_argnums=1)
+    _JAX_STEPS[key] = (graphdef, step)
+    return _run_jax_steps(plan, rank, world, reverse, graphdef, step, state, by_row)
+
+
+def _run_jax_steps(
+    plan: Plan,
+    rank: int,
+    world: int,
+    reverse: bool,
+    graphdef: Any,
+    step: Any,
+    state: Any,
+    by_row: Any,
+) -> Record:
+    """Runs :func:`train_jax`'s steps and collects its record."""
+    import jax
+    from flax import nnx
+
+    settings = plan.settings
+    batches = step_batches(plan, reverse)
+    rows = rows_of(rank, world, settings.batch_size)
+    bad_row = overflow_row(world, settings.batch_size)
 
     def global_rows(value: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(by_row, value[rows], value.shape)
