@@ -47,8 +47,9 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # tests/test_packaging.py builds both artifacts too (in a temporary folder) and checks them.
+# Two workers, a file each at a time, the longest files first (tests/conftest.py: LONGEST_FIRST).
 test: lint typecheck
-	$(PY) -m pytest -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The sdist and the wheel, checked by twine, in dist/.
 dist: $(STAMP)

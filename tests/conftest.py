@@ -70,3 +70,42 @@ def _amp_core_dtype_promotion(request):
     jax.config.update("jax_numpy_dtype_promotion", mode)
     yield
     jax.config.update("jax_numpy_dtype_promotion", previous)
+
+
+# The files that take longest, longest first (CPU seconds of a full run on the 2-core machines,
+# 2026-12-07). ``make test`` runs ``--dist loadfile --no-loadscope-reorder``: pytest-xdist hands
+# whole files to the two workers in collection order, so the long ones start first and the short
+# ones fill in at the end, where xdist's default order (most tests first) left the long files
+# with few tests (the demo's, the launchers') to run last on one worker while the other idled.
+LONGEST_FIRST = (
+    "tests/test_docs_pages.py",
+    "tests/demo/test_demo.py",
+    "tests/benchmarks/test_bench_harness.py",
+    "tests/torch_facade/test_cbfloat16_compile.py",
+    "tests/torch_facade/test_torchrun.py",
+    "tests/demo/test_demo_distributed.py",
+    "tests/device_check/test_device_check.py",
+    "tests/amp_core/test_optax.py",
+    "tests/amp_core/test_accumulation.py",
+    "tests/notebooks/test_notebooks_execute.py",
+    "tests/amp_core/test_multiprocess_sharded.py",
+    "tests/benchmarks/test_memory_bench.py",
+    "tests/benchmarks/test_startup_cbfloat16_bench.py",
+    "tests/torch_facade/test_master_weights.py",
+    "tests/torch_facade/test_startup.py",
+    "tests/torch_facade/test_trainers_multiprocess.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Moves the files of :data:`LONGEST_FIRST` to the front, in that order (a stable sort: the
+    tests of a file, and the other files, keep their order)."""
+    root = Path(str(config.rootpath))
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        path = Path(str(item.path))
+        name = path.relative_to(root).as_posix() if path.is_relative_to(root) else ""
+        return rank.get(name, len(rank))
+
+    items.sort(key=key)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 SHARED_NAMES = {"conftest.py", "__init__.py"}
 
@@ -36,3 +38,18 @@ def test_the_check_finds_a_planted_collision(tmp_path: Path):
     assert basenames_in_more_than_one_place(tmp_path) == {
         "test_same.py": ["amp_core/test_same.py", "torch_facade/test_same.py"]
     }
+
+
+def test_the_longest_files_are_collected_first(request: pytest.FixtureRequest):
+    """``conftest.LONGEST_FIRST`` names files that exist, and the session runs them first."""
+    from conftest import LONGEST_FIRST
+
+    root = TESTS.parent
+    assert [name for name in LONGEST_FIRST if not (root / name).is_file()] == []
+    files: list[str] = []
+    for item in request.session.items:
+        name = Path(str(item.path)).relative_to(root).as_posix()
+        if not files or files[-1] != name:
+            files.append(name)
+    collected = [name for name in LONGEST_FIRST if name in files]
+    assert files[: len(collected)] == collected
