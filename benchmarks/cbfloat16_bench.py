@@ -2,8 +2,12 @@
 eagerly and under ``torch.compile``, and the JAX front door's jitted step.
 
 ``GPT2LMHeadModel`` with 4 layers, d=256, 4 heads, a byte vocabulary (256), random init, one
-batch of 8x128 random bytes, AdamW; variants interleaved in one process (each its own copy of
-the same model), medians. Run alone: ``python -m benchmarks --sections cbfloat16``.
+batch of 8x128 random bytes, AdamW (:data:`FULL_MODEL`); variants interleaved in one process
+(each its own copy of the same model), medians. Run alone:
+``python -m benchmarks --sections cbfloat16``. The quick run (``make bench``) times its two
+compiled rows on a 1-layer model instead (:data:`QUICK_COMPILED_MODEL`): a cold inductor compile
+of the 4-layer model in both formats takes minutes on 2 cores, a first ``make bench`` pays it,
+and a ratio of compiled to compiled needs only the same model on both sides.
 
 * ``float32``: forward, backward, ``optimizer.step()``, ``zero_grad()``; no scaler;
 * ``cbfloat16 preview``: the same inside ``cstorch.amp.cbfloat16_numerics`` (entered once,
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import resource
 import statistics
 import time
@@ -47,16 +52,49 @@ BACKEND = "inductor"
 one; ``tests/torch_facade/test_cbfloat16_compile.py`` compiles the preview with inductor)."""
 
 
-def _gpt2(seed: int, small: bool = False) -> torch.nn.Module:
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A GPT-2 of the section and its batch of random bytes.
+
+    Attributes:
+        layers: transformer blocks.
+        width: model width (4 heads).
+        batch: sequences per iteration.
+        tokens: bytes per sequence (also the model's context).
+    """
+
+    layers: int
+    width: int
+    batch: int
+    tokens: int
+
+    def describe(self) -> str:
+        """``"4 layers, d=256, 8x128 bytes"``."""
+        plural = "s" if self.layers != 1 else ""
+        return f"{self.layers} layer{plural}, d={self.width}, {self.batch}x{self.tokens} bytes"
+
+
+FULL_MODEL = ModelShape(layers=4, width=256, batch=8, tokens=128)
+"""The section's model: every eager row, and the compiled rows of ``--full``."""
+
+QUICK_COMPILED_MODEL = ModelShape(layers=1, width=256, batch=8, tokens=128)
+"""The compiled rows' model in the quick run: one block of the same width and batch (inductor
+compiles one block's kernels instead of four; its cold compile is most of the section)."""
+
+SMALL_MODEL = ModelShape(layers=1, width=32, batch=2, tokens=16)
+"""The harness test's model (``small=True``)."""
+
+
+def _gpt2(seed: int, shape: ModelShape) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
-    width, layers = (32, 1) if small else (256, 4)
     config = GPT2Config(
-        vocab_size=256, n_positions=128, n_embd=width, n_layer=layers, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=256, n_positions=shape.tokens, n_embd=shape.width, n_layer=shape.layers,
+        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+        eos_token_id=0,
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     model.config.use_cache = False
@@ -93,16 +131,27 @@ def _timed(step: Callable[[], None], faults: list[int]) -> float:
 
 
 @contextlib.contextmanager
-def _variants(seed: int, small: bool, float16_autocast: bool) -> Iterator[list[_Variant]]:
+def _variants(
+    seed: int, shape: ModelShape, float16_autocast: bool, compiled_shape: ModelShape | None = None
+) -> Iterator[list[_Variant]]:
+    """Every row, each with its own copy of its model, inside the previews' numerics.
+
+    ``shape``: the eager rows' model; ``compiled_shape``: the compiled rows' (default ``shape``).
+    """
     import torch_facade as cstorch
 
-    base = _gpt2(seed, small)
-    shape = (2, 16) if small else (8, 128)
-    tokens = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed + 1))
+    def inputs(shape: ModelShape) -> tuple[torch.nn.Module, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed + 1)
+        tokens = torch.randint(0, 256, (shape.batch, shape.tokens), generator=generator)
+        return _gpt2(seed, shape), tokens
+
+    eager = inputs(shape)
+    compiled_inputs = eager if compiled_shape in (None, shape) else inputs(compiled_shape)
 
     def make(
         name: str, autocast: torch.dtype | None, scaler: Any, compiled: bool = False
     ) -> _Variant:
+        base, tokens = compiled_inputs if compiled else eager
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         call = torch.compile(model, backend=BACKEND) if compiled else model  # at its first call
@@ -162,21 +211,29 @@ def run(
     small: bool = False,
     jax_iters: int = 10,
     float16_autocast: bool = True,
+    compiled_model: ModelShape | None = None,
 ) -> dict[str, Any]:
     """Times every variant ``rounds`` x ``iters`` times, interleaved; returns the rows, and the
     JAX door's under ``"jax"`` (``rounds`` x ``jax_iters`` steps; 0: not run).
 
-    ``small``: a 1-layer GPT-2 of width 32 on 2 x 16 bytes (the harness test's size).
-    ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a CPU without
-    float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there, many times
-    float32's: ``docs/performance-notes.md``).
+    ``small``: every model at :data:`SMALL_MODEL` and the JAX door's at its small size (the
+    harness test's). ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a
+    CPU without float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there, many
+    times float32's: ``docs/performance-notes.md``). ``compiled_model``: the compiled rows'
+    model (default: the eager rows', :data:`FULL_MODEL`; the quick run's is
+    :data:`QUICK_COMPILED_MODEL`).
     """
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    with warnings.catch_warnings(), _variants(seed, small, float16_autocast) as rows:
+    shape = SMALL_MODEL if small else FULL_MODEL
+    compiled_shape = SMALL_MODEL if small else (compiled_model or shape)
+    with (
+        warnings.catch_warnings(),
+        _variants(seed, shape, float16_autocast, compiled_shape) as rows,
+    ):
         warnings.simplefilter("ignore")  # transformers' and autocast's notes
         compiled_preview = rows[-1]
         after_warmup = _dynamo_counts()
@@ -206,6 +263,8 @@ def run(
         result = {
             "rounds": rounds,
             "iters": iters,
+            "model": dataclasses.asdict(shape),
+            "compiled_model": dataclasses.asdict(compiled_shape),
             "compiled": {
                 **at_end,
                 "frames_compiled_after_warmup": at_end["frames"] - after_warmup["frames"],
@@ -323,10 +382,15 @@ def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
 def markdown(result: dict[str, Any], number: int) -> list[str]:
     """The report's cbfloat16 section."""
     counts = result.get("compiled")
+    shape = ModelShape(**result.get("model", dataclasses.asdict(FULL_MODEL)))
+    compiled_shape = ModelShape(**result.get("compiled_model", dataclasses.asdict(shape)))
+    models = f"GPT2LMHeadModel, {shape.describe()}"
+    if compiled_shape != shape:
+        models += f" (the `torch.compile` rows: {compiled_shape.describe()}, both formats)"
     out = [
         f"## {number}. The cbfloat16 preview (Hugging Face GPT-2)",
         "",
-        "GPT2LMHeadModel, 4 layers, d=256, 8x128 bytes, random init, AdamW; whole training "
+        f"{models}, random init, AdamW; whole training "
         f"iterations interleaved in one process, {result['rounds']} rounds of "
         f"{result['iters']}; ratio: median over iterations of the ratio to the float32 "
         "iteration next to it, eager to eager and compiled to compiled, with its spread "

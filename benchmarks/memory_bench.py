@@ -225,6 +225,30 @@ with open("/proc/self/status") as status:
 ``subprocess``) inherits its parent's peak in it, across ``exec``."""
 
 
+CORES = {"facade": "facade", PREVIEW: "facade", "facade+clip": "facade+clip", MASTER: MASTER}
+"""The facade variants, by the decision core they compile: the preview's loop is the ``facade``
+loop (the same float32 gradients, the same scaler), so one warm-up process serves both."""
+
+
+def warm_up_variants(variants: Sequence[str]) -> list[str]:
+    """One variant per decision core among ``variants``, to compile it into the run's cache:
+    the preview rather than the plain facade where both are run (its process also compiles
+    the preview's rounding loop into inductor's cache).
+
+    Example:
+        >>> warm_up_variants(["float32", "torch", "facade", "cbfloat16 preview"])
+        ['cbfloat16 preview']
+        >>> warm_up_variants(["facade", "torch+clip", "facade+clip"])
+        ['facade', 'facade+clip']
+    """
+    chosen: dict[str, str] = {}
+    for variant in variants:
+        core = CORES.get(variant)
+        if core is not None and chosen.get(core) != PREVIEW:
+            chosen[core] = variant
+    return list(chosen.values())
+
+
 def run(
     sizes: Sequence[str],
     rounds: int = 1,
@@ -239,7 +263,7 @@ def run(
     (variants alternating); returns the medians, the ratios and every sample.
 
     ``warm``: first compile the facade's decision cores into the run's own cache (a process per
-    facade variant and size), so that every row is a script's second run; ``False`` leaves
+    core and size: :func:`warm_up_variants`), so that every row is a script's second run; ``False`` leaves
     that out, and the facade rows are first runs (the core compiled in the first iteration).
 
     Raises:
@@ -258,9 +282,8 @@ def run(
         # run's own cache (a first run also compiles it, in the first iteration: tens of MB
         # more at M, docs/performance-notes.md).
         for size in sizes if warm else ():
-            for variant in variants:
-                if variant not in ("float32", "torch", "torch+clip"):
-                    _child(variant, size, 1, device, seed, cache)
+            for variant in warm_up_variants(variants):
+                _child(variant, size, 1, device, seed, cache)
         for _ in range(rounds):
             for name, code in IMPORTS.items():
                 imports[name].append(_import_peak(code))

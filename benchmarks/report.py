@@ -84,6 +84,25 @@ def _cpu_note(meta: dict[str, Any]) -> str:
     return f"CPU: {model}; " + "; ".join(f"{k}: {yes(v)}" for k, v in listed) + "."
 
 
+def _section_times(meta: dict[str, Any]) -> list[str]:
+    """Where the run's time went: each section's wall seconds and CPU seconds (this process's
+    and its child processes', together).
+
+    Example:
+        >>> seconds = {"whole": {"wall": 61.2, "cpu": 100.4, "children_cpu": 0.0}}
+        >>> _section_times({"section_seconds": seconds})
+        ['Section times, wall / CPU s (child processes included): whole 61 / 100.', '']
+    """
+    seconds = meta.get("section_seconds") or {}
+    if not seconds:
+        return []
+    cells = ", ".join(
+        f"{name} {s['wall']:.0f} / {s['cpu'] + s['children_cpu']:.0f}"
+        for name, s in seconds.items()
+    )
+    return [f"Section times, wall / CPU s (child processes included): {cells}.", ""]
+
+
 def _header(results: dict[str, Any]) -> list[str]:
     meta = results["meta"]
     sizes = results["sizes"]
@@ -101,6 +120,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         _thread_note(meta),
         "",
+        *_section_times(meta),
         *(
             ["Sizes: " + "; ".join(_size_text(name, s) for name, s in sizes.items()) + ".", ""]
             if sizes

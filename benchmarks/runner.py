@@ -9,6 +9,7 @@ import gc
 import math
 import os
 import platform
+import resource
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -395,6 +396,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "host_run": HOST_RUN,
         "whole_run": WHOLE_RUN,
         "step_size": options.step_size,
+        "section_seconds": {},
         "time_unit": "seconds in cases; milliseconds in *_ms rows",
     }
 
@@ -476,6 +478,10 @@ class _Run:
         """Advances the progress bar by one step."""
         self.bar.update(1)
 
+    def clocked(self, section: str) -> contextlib.AbstractContextManager[None]:
+        """Adds the block's wall and CPU seconds to ``meta.section_seconds[section]``."""
+        return _clocked(self.results["meta"]["section_seconds"], section)
+
     def plan(self, spec: SizeSpec) -> Plan:
         """Rounds, steps per round and warm-up for ``spec``."""
         return Plan(
@@ -521,7 +527,8 @@ class _Run:
         self.results["sizes"][size] = info
         sections = self.options.sections
         if "whole" in sections:
-            info["whole"] = self.whole(size, spec)
+            with self.clocked("whole"):
+                info["whole"] = self.whole(size, spec)
         if "scaler" in sections or "jax" in sections:
             self.bar.set_description(f"{size}: gradients")
             grad_start = time.perf_counter()
@@ -533,9 +540,11 @@ class _Run:
             }
             self.tick()
             if "scaler" in sections:
-                self.scaler_only(size, spec, grads)
+                with self.clocked("scaler"):
+                    self.scaler_only(size, spec, grads)
             if "jax" in sections:
-                self.jax(size, spec, grads)
+                with self.clocked("jax"):
+                    self.jax(size, spec, grads)
             del grads
             gc.collect()
         info["other_cpu_cores"] = share.other_cores()
@@ -706,6 +715,29 @@ class _Run:
         )
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    """This process's CPU seconds (user + system) and its finished children's."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@contextlib.contextmanager
+def _clocked(seconds: dict[str, dict[str, float]], name: str) -> Iterator[None]:
+    """Adds the block's wall time, this process's CPU time and its children's (fresh processes,
+    DDP ranks) to ``seconds[name]``: where a run's minutes go, section by section."""
+    wall = time.perf_counter()
+    own, children = _cpu_seconds()
+    try:
+        yield
+    finally:
+        own_end, children_end = _cpu_seconds()
+        entry = seconds.setdefault(name, {"wall": 0.0, "cpu": 0.0, "children_cpu": 0.0})
+        entry["wall"] += time.perf_counter() - wall
+        entry["cpu"] += own_end - own
+        entry["children_cpu"] += children_end - children
+
+
 @contextlib.contextmanager
 def _frozen_heap() -> Iterator[None]:
     """Keeps what the process holds before the run (torch, JAX, their modules) out of the
@@ -750,30 +782,40 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
             for size in options.sizes:
                 state.size(size)
         if "ddp" in options.sections:
-            state.ddp()
+            with state.clocked("ddp"):
+                state.ddp()
         if "step" in options.sections:
-            state.step()
+            with state.clocked("step"):
+                state.step()
         if "host" in options.sections:
-            state.host()
+            with state.clocked("host"):
+                state.host()
         if "startup" in options.sections:
             bar.set_description("start-up: fresh processes")
-            results["startup"] = startup_bench.run(options.rounds, state.tick)
+            with state.clocked("startup"):
+                results["startup"] = startup_bench.run(options.rounds, state.tick)
         if "cbfloat16" in options.sections:
             bar.set_description("cbfloat16 preview: GPT-2")
-            results["cbfloat16"] = cbfloat16_bench.run(
-                options.rounds, seed=options.seed, tick=state.tick, float16_autocast=options.full
-            )
+            with state.clocked("cbfloat16"):
+                results["cbfloat16"] = cbfloat16_bench.run(
+                    options.rounds,
+                    seed=options.seed,
+                    tick=state.tick,
+                    float16_autocast=options.full,
+                    compiled_model=None if options.full else cbfloat16_bench.QUICK_COMPILED_MODEL,
+                )
         if "memory" in options.sections:
             bar.set_description("memory: fresh processes")
             sizes = [s for s in options.sizes if not SIZES[s].tiny] or ["S"]
-            results["memory"] = memory_bench.run(
-                sizes,
-                MEMORY_ROUNDS[options.full],
-                steps=memory_bench.STEPS if options.full else memory_bench.QUICK_STEPS,
-                variants=memory_bench.VARIANTS if options.full else memory_bench.QUICK_VARIANTS,
-                seed=options.seed,
-                tick=state.tick,
-            )
+            with state.clocked("memory"):
+                results["memory"] = memory_bench.run(
+                    sizes,
+                    MEMORY_ROUNDS[options.full],
+                    steps=memory_bench.STEPS if options.full else memory_bench.QUICK_STEPS,
+                    variants=memory_bench.VARIANTS if options.full else memory_bench.QUICK_VARIANTS,
+                    seed=options.seed,
+                    tick=state.tick,
+                )
     meta = results["meta"]
     meta["compiles_after_warmup_total"] = sum(
         case["compiles_after_warmup"] for case in results["cases"]

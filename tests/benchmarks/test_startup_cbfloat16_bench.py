@@ -46,7 +46,7 @@ def test_cbfloat16_section_times_every_variant_interleaved(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(cbfloat16_bench, "BACKEND", "aot_eager")
     result = cbfloat16_bench.run(rounds=1, iters=1, warmup=0, small=True, jax_iters=1)
-    with cbfloat16_bench._variants(0, small=True, float16_autocast=False) as rows:
+    with cbfloat16_bench._variants(0, cbfloat16_bench.SMALL_MODEL, float16_autocast=False) as rows:
         without_autocast = [row.name for row in rows]
     assert len(without_autocast) == 4 and not any("autocast" in n for n in without_autocast)
     names = [row["case"] for row in result["rows"]]
