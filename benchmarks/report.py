@@ -384,7 +384,10 @@ def _step_section(results: dict[str, Any], heading: int) -> list[str]:
         "a result (where every round is below, the reference did work that XLA fused away in "
         "the variant, and is marked as no floor there). Traces: how often the step was traced "
         "(1 = one "
-        f"compilation). Steps per round: {_iters(results, 'step')}.",
+        f"compilation). Steps per round: {_iters(results, 'step')}; where a round has "
+        f"{2 * results['meta'].get('whole_run', 0)} or more, the variants take turns in runs "
+        f"of {results['meta'].get('whole_run')} (each after an untimed step), else variant by "
+        "variant.",
         "",
     ]
     by_variant: dict[str, dict[str, dict[str, Any]]] = {}

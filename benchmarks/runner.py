@@ -67,8 +67,9 @@ HOST_ITERS = 100
 """Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
 
 WHOLE_RUN = 5
-"""The whole-iteration section's variants take turns in runs of this many timed iterations
-(each run after one untimed iteration) where a round holds at least two runs: the machine's
+"""The whole-iteration and JAX train-step sections' variants take turns in runs of this many
+timed iterations (each run after one untimed iteration) where a round holds at least two runs
+(:meth:`_Run.whole_plan`): the machine's
 speed drifts over a round, and each timed iteration then still follows one of its own loop's
 (see :class:`workbench.timing.Plan`)."""
 
@@ -84,6 +85,23 @@ the JAX train step as users write it, with the floor and the other JAX scalers; 
 step on gradients passed in as inputs (a narrower second view); the host cost per gradient
 tensor (one-element gradients); start-up; the cbfloat16 preview; peak memory, a fresh process
 per variant."""
+
+QUICK_STARTUP_ROUNDS = 2
+"""At most this many rounds of fresh processes in the quick run's start-up section (six
+processes a round, each paying the imports; ``--full``: ``--rounds``). Start-up has no ratio
+with a floor, and its rows differ by seconds, not by a few percent."""
+
+QUICK_SET_TO_NONE = (True,)
+"""The quick run's whole-iteration groups: torch's default ``zero_grad()`` only, the loop users
+run (``--full`` adds ``set_to_none=False``, whose picture the documented runs show is the same)."""
+
+QUICK_STEP_LOSSES = step_bench.LOSSES[:2]
+"""The quick run's JAX train-step groups: the real forward and the synthetic loss (``--full``
+adds the accumulated step, six more compilations of a ``lax.scan`` over micro-batches)."""
+
+QUICK_CBFLOAT16_ITERS = 4
+"""Alternating iterations per round of the quick run's cbfloat16 section (``--full``:
+:data:`benchmarks.cbfloat16_bench.ITERS`), and as many in blocks."""
 
 MEMORY_ROUNDS = {False: 1, True: 3}
 """Fresh processes per variant and size of the memory section: the quick run (its four main
@@ -112,7 +130,12 @@ class BenchOptions:
         step_size: the layout of the ``step`` section's parameters.
         host_tensors: the gradient tensor counts of the ``host`` section.
         full: the documented run: also the cbfloat16 section's float16 autocast rows (on a
-            CPU without float16 arithmetic, seconds per iteration).
+            CPU without float16 arithmetic, seconds per iteration); ``False``, the quick run:
+            the cuts of :data:`QUICK_STARTUP_ROUNDS`, :data:`QUICK_SET_TO_NONE`,
+            :data:`QUICK_STEP_LOSSES`, :data:`QUICK_CBFLOAT16_ITERS`, :data:`MEMORY_ROUNDS`, and
+            the cbfloat16 section's compiled rows on
+            :data:`benchmarks.cbfloat16_bench.QUICK_COMPILED_MODEL`.
+        jax_sizes: the sizes of the ``jax`` section, among ``sizes`` (``None``: all of them).
     """
 
     sizes: tuple[str, ...]
@@ -126,6 +149,23 @@ class BenchOptions:
     step_size: str = "M"
     host_tensors: tuple[int, ...] = host_bench.TENSORS
     full: bool = True
+    jax_sizes: tuple[str, ...] | None = None
+
+
+def _set_to_none(options: BenchOptions) -> tuple[bool, ...]:
+    return whole_loop.SET_TO_NONE if options.full else QUICK_SET_TO_NONE
+
+
+def _startup_rounds(options: BenchOptions) -> int:
+    return options.rounds if options.full else min(options.rounds, QUICK_STARTUP_ROUNDS)
+
+
+def _step_losses(options: BenchOptions) -> tuple[str, ...]:
+    return step_bench.LOSSES if options.full else QUICK_STEP_LOSSES
+
+
+def _runs_jax(options: BenchOptions, size: str) -> bool:
+    return "jax" in options.sections and (options.jax_sizes is None or size in options.jax_sizes)
 
 
 # Minimal traffic per parameter for the scaler's own work, by (optimizer, clip).
@@ -415,6 +455,8 @@ def _validate(options: BenchOptions) -> None:
             f"unknown step size {options.step_size!r}; choose from "
             f"{sorted(name for name, spec in SIZES.items() if not spec.tiny)}"
         )
+    if options.jax_sizes is not None and not set(options.jax_sizes) <= set(options.sizes):
+        raise ValueError(f"jax sizes {options.jax_sizes} must be among the sizes {options.sizes}")
     if options.rounds < 1 or (options.iters is not None and options.iters < 1):
         raise ValueError("rounds and iters must be positive")
     if "host" in options.sections and (not options.host_tensors or min(options.host_tensors) < 1):
@@ -426,21 +468,23 @@ def _ticks(options: BenchOptions) -> int:
     group = options.rounds + 1
     per_size = 0
     if "whole" in options.sections:
-        per_size += len(whole_loop.OPTIMIZERS) * len(whole_loop.SET_TO_NONE) * group
+        per_size += len(whole_loop.OPTIMIZERS) * len(_set_to_none(options)) * group
     if "scaler" in options.sections:
         per_size += (1 + len(whole_loop.OPTIMIZERS)) * group  # bandwidth, optimizers
-    if "jax" in options.sections:
-        per_size += group
-    if "scaler" in options.sections or "jax" in options.sections:
-        per_size += 1  # gradients
+    jax_sizes = sum(_runs_jax(options, size) for size in options.sizes)
+    gradients = sum(
+        "scaler" in options.sections or _runs_jax(options, size) for size in options.sizes
+    )
     host = len(options.host_tensors) * len(host_bench.OPTIMIZERS) * group
-    step = len(step_bench.LOSSES) * group + 1  # the timed groups, then the checks
+    step = len(_step_losses(options)) * group + 1  # the timed groups, then the checks
     return (
         len(options.sizes) * per_size
+        + jax_sizes * group
+        + gradients
         + ("ddp" in options.sections)
         + ("step" in options.sections) * step
         + ("host" in options.sections) * host
-        + ("startup" in options.sections) * options.rounds
+        + ("startup" in options.sections) * _startup_rounds(options)
         + ("cbfloat16" in options.sections) * options.rounds
         + ("memory" in options.sections) * MEMORY_ROUNDS[options.full]
     )
@@ -494,7 +538,9 @@ class _Run:
     def whole_plan(self, spec: SizeSpec) -> Plan:
         """:meth:`plan`, with the variants taking turns in runs of :data:`WHOLE_RUN` iterations
         where a round has room for two runs (S and tiny; M's few long iterations stay variant
-        by variant)."""
+        by variant). The whole-iteration and JAX train-step sections use it: at S their steps
+        take milliseconds, and a round variant by variant (seconds) lets the machine's drift
+        put one variant's median below the floor another variant's sets."""
         plan = self.plan(spec)
         if plan.max_iters < 2 * WHOLE_RUN:
             return plan
@@ -529,7 +575,8 @@ class _Run:
         if "whole" in sections:
             with self.clocked("whole"):
                 info["whole"] = self.whole(size, spec)
-        if "scaler" in sections or "jax" in sections:
+        runs_jax = _runs_jax(self.options, size)
+        if "scaler" in sections or runs_jax:
             self.bar.set_description(f"{size}: gradients")
             grad_start = time.perf_counter()
             grads = make_gradients(spec, self.options.seed)
@@ -542,7 +589,7 @@ class _Run:
             if "scaler" in sections:
                 with self.clocked("scaler"):
                     self.scaler_only(size, spec, grads)
-            if "jax" in sections:
+            if runs_jax:
                 with self.clocked("jax"):
                     self.jax(size, spec, grads)
             del grads
@@ -556,7 +603,7 @@ class _Run:
             loss = float(next_token_loss(workload.model, workload.tokens))
         subnormals = whole_loop.count_subnormals(workload)
         for optimizer in whole_loop.OPTIMIZERS:
-            for set_to_none in whole_loop.SET_TO_NONE:
+            for set_to_none in _set_to_none(self.options):
                 self.bar.set_description(f"{size}: whole {optimizer}, set_to_none={set_to_none}")
                 group = whole_loop.run_group(
                     workload,
@@ -637,10 +684,10 @@ class _Run:
             "findings": [],
         }
         self.results["step"] = info
-        for loss in step_bench.LOSSES:
+        for loss in _step_losses(self.options):
             self.bar.set_description(f"{size}: JAX train step, {loss}")
             group = step_bench.run_group(
-                spec, loss, self.plan(spec), self.counter, self.tick, self.options.seed
+                spec, loss, self.whole_plan(spec), self.counter, self.tick, self.options.seed
             )
             self.tick()
             self.add_cases("step", size, loss, group.timings, group.first)
@@ -793,12 +840,13 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
         if "startup" in options.sections:
             bar.set_description("start-up: fresh processes")
             with state.clocked("startup"):
-                results["startup"] = startup_bench.run(options.rounds, state.tick)
+                results["startup"] = startup_bench.run(_startup_rounds(options), state.tick)
         if "cbfloat16" in options.sections:
             bar.set_description("cbfloat16 preview: GPT-2")
             with state.clocked("cbfloat16"):
                 results["cbfloat16"] = cbfloat16_bench.run(
                     options.rounds,
+                    iters=cbfloat16_bench.ITERS if options.full else QUICK_CBFLOAT16_ITERS,
                     seed=options.seed,
                     tick=state.tick,
                     float16_autocast=options.full,

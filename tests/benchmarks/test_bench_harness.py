@@ -2,7 +2,7 @@
 
 The end-to-end run uses size S (20 tensors: its compilations are quicker than tiny's 148), every
 section (the host-cost section with 3 and 5 one-element gradients, the JAX train step on S's
-layout), one timed step per round and two rounds. The report's rendering of other cases (sections
+layout), one timed step per round and one round. The report's rendering of other cases (sections
 left out, overflows, subnormals, a failed DDP section) is checked on edited copies of its results.
 """
 
@@ -26,6 +26,7 @@ from benchmarks import (
     host_bench,
     host_profile,
     jax_bench,
+    memory_bench,
     plots,
     report,
     runner,
@@ -48,7 +49,7 @@ CASE_KEYS = {
     "compiles_after_warmup",
     "first_step",
 }
-ROUNDS = 2
+ROUNDS = 1
 S_TENSORS, S_PARAMS = 20, 1_068_800
 HOST_TENSORS = (3, 5)
 # The start-up, cbfloat16 and memory sections have tests of their own
@@ -69,11 +70,16 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Path:
+    """One end-to-end run that every test of the module reads. The facade's core cache is on,
+    in a folder of the run's own (the suite turns it off): each decision core is compiled once,
+    and the DDP ranks load what this process compiled instead of compiling it again."""
     out = tmp_path_factory.mktemp("bench")
     argv = ["--sizes", "S", "--rounds", str(ROUNDS), "--iters", "1", "--warmup", "1"]
     argv += ["--host-tensors", ",".join(map(str, HOST_TENSORS)), "--step-size", "S"]
-    argv += ["--sections", ",".join(HARNESS_SECTIONS)]
-    assert cli.main([*argv, "--out", str(out), "--no-progress"]) == 0
+    argv += ["--sections", ",".join(HARNESS_SECTIONS), "--full"]  # every group, every loss
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CSTORCH_AMP_CACHE_DIR", str(tmp_path_factory.mktemp("cores")))
+        assert cli.main([*argv, "--out", str(out), "--no-progress"]) == 0
     return out
 
 
@@ -535,7 +541,17 @@ def test_the_quick_run_and_the_full_run(monkeypatch: pytest.MonkeyPatch, tmp_pat
         True,
     )
     assert (chosen.sizes, chosen.rounds, chosen.step_size, chosen.full) == (("S",), 2, "S", True)
+    assert (quick.jax_sizes, full.jax_sizes, chosen.jax_sizes) == (("S",), None, None)
     cli.build_parser().parse_args(["--full", "--large"])  # --large still adds L
+    # The quick run's cuts; the full run keeps every group, loss and round.
+    assert runner._set_to_none(quick) == (True,) and runner._set_to_none(full) == (True, False)
+    assert runner._step_losses(quick) == step_bench.LOSSES[:2]
+    assert runner._step_losses(full) == step_bench.LOSSES
+    assert (runner._startup_rounds(quick), runner._startup_rounds(full)) == (2, 5)
+    assert not runner._runs_jax(quick, "tiny") and runner._runs_jax(full, "tiny")
+    with pytest.raises(SystemExit):
+        cli.main(["--sizes", "tiny", "--sections", "jax", "--out", str(tmp_path)])
+    assert seen[-1].jax_sizes is None  # sizes chosen: the jax section runs at every one
 
 
 def test_choose_iters_makes_every_round_at_least_the_minimum() -> None:
@@ -569,7 +585,7 @@ def test_the_report_names_the_cpu_and_its_half_precision_features() -> None:
         assert set(features) == set(runner.CPU_FEATURES)
 
 
-@pytest.mark.parametrize("module", [report, host_bench, step_bench, plots])
+@pytest.mark.parametrize("module", [report, host_bench, step_bench, plots, memory_bench])
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
@@ -591,6 +607,8 @@ def test_bad_arguments_are_rejected() -> None:
         runner.run(runner.BenchOptions(sizes=("XL",)))
     with pytest.raises(ValueError, match="unknown sections"):
         runner.run(runner.BenchOptions(sizes=("tiny",), sections=("whole", "floor")))
+    with pytest.raises(ValueError, match="must be among the sizes"):
+        runner.run(runner.BenchOptions(sizes=("S",), jax_sizes=("tiny",)))
     with pytest.raises(ValueError, match="unknown step size 'tiny'"):
         runner.run(runner.BenchOptions(sizes=("S",), sections=("step",), step_size="tiny"))
 
