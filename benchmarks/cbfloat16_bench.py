@@ -4,10 +4,11 @@ eagerly and under ``torch.compile``, and the JAX front door's jitted step.
 ``GPT2LMHeadModel`` with 4 layers, d=256, 4 heads, a byte vocabulary (256), random init, one
 batch of 8x128 random bytes, AdamW (:data:`FULL_MODEL`); variants interleaved in one process
 (each its own copy of the same model), medians. Run alone:
-``python -m benchmarks --sections cbfloat16``. The quick run (``make bench``) times its two
-compiled rows on a 1-layer model instead (:data:`QUICK_COMPILED_MODEL`): a cold inductor compile
-of the 4-layer model in both formats takes minutes on 2 cores, a first ``make bench`` pays it,
-and a ratio of compiled to compiled needs only the same model on both sides.
+``python -m benchmarks --full --sections cbfloat16``. The quick run (``make bench``) times
+every row on one block of the same width and batch (:data:`QUICK_MODEL`), and the JAX door on
+one block of the demo's model (:data:`QUICK_JAX_MODEL`): a cold inductor compile of the 4-layer
+model in both formats takes minutes on 2 cores, which a first ``make bench`` paid, and on a
+shared machine an eager 4-layer iteration took seconds (torch's threads waiting for each other).
 
 * ``float32``: forward, backward, ``optimizer.step()``, ``zero_grad()``; no scaler;
 * ``cbfloat16 preview``: the same inside ``cstorch.amp.cbfloat16_numerics`` (entered once,
@@ -75,11 +76,14 @@ class ModelShape:
 
 
 FULL_MODEL = ModelShape(layers=4, width=256, batch=8, tokens=128)
-"""The section's model: every eager row, and the compiled rows of ``--full``."""
+"""The section's model (``--full``)."""
 
-QUICK_COMPILED_MODEL = ModelShape(layers=1, width=256, batch=8, tokens=128)
-"""The compiled rows' model in the quick run: one block of the same width and batch (inductor
-compiles one block's kernels instead of four; its cold compile is most of the section)."""
+QUICK_MODEL = ModelShape(layers=1, width=256, batch=8, tokens=128)
+"""The quick run's model: one block of the same width and batch (inductor compiles one block's
+kernels instead of four: its cold compile was most of the section)."""
+
+QUICK_JAX_MODEL = 1
+"""Blocks of the JAX door's model in the quick run (the demo's: 2)."""
 
 SMALL_MODEL = ModelShape(layers=1, width=32, batch=2, tokens=16)
 """The harness test's model (``small=True``)."""
@@ -131,27 +135,17 @@ def _timed(step: Callable[[], None], faults: list[int]) -> float:
 
 
 @contextlib.contextmanager
-def _variants(
-    seed: int, shape: ModelShape, float16_autocast: bool, compiled_shape: ModelShape | None = None
-) -> Iterator[list[_Variant]]:
-    """Every row, each with its own copy of its model, inside the previews' numerics.
-
-    ``shape``: the eager rows' model; ``compiled_shape``: the compiled rows' (default ``shape``).
-    """
+def _variants(seed: int, shape: ModelShape, float16_autocast: bool) -> Iterator[list[_Variant]]:
+    """Every row, each with its own copy of the model, inside the previews' numerics."""
     import torch_facade as cstorch
 
-    def inputs(shape: ModelShape) -> tuple[torch.nn.Module, torch.Tensor]:
-        generator = torch.Generator().manual_seed(seed + 1)
-        tokens = torch.randint(0, 256, (shape.batch, shape.tokens), generator=generator)
-        return _gpt2(seed, shape), tokens
-
-    eager = inputs(shape)
-    compiled_inputs = eager if compiled_shape in (None, shape) else inputs(compiled_shape)
+    base = _gpt2(seed, shape)
+    generator = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, 256, (shape.batch, shape.tokens), generator=generator)
 
     def make(
         name: str, autocast: torch.dtype | None, scaler: Any, compiled: bool = False
     ) -> _Variant:
-        base, tokens = compiled_inputs if compiled else eager
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         call = torch.compile(model, backend=BACKEND) if compiled else model  # at its first call
@@ -211,7 +205,7 @@ def run(
     small: bool = False,
     jax_iters: int = 10,
     float16_autocast: bool = True,
-    compiled_model: ModelShape | None = None,
+    quick: bool = False,
 ) -> dict[str, Any]:
     """Times every variant ``rounds`` x ``iters`` times, interleaved; returns the rows, and the
     JAX door's under ``"jax"`` (``rounds`` x ``jax_iters`` steps; 0: not run).
@@ -219,21 +213,16 @@ def run(
     ``small``: every model at :data:`SMALL_MODEL` and the JAX door's at its small size (the
     harness test's). ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a
     CPU without float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there, many
-    times float32's: ``docs/performance-notes.md``). ``compiled_model``: the compiled rows'
-    model (default: the eager rows', :data:`FULL_MODEL`; the quick run's is
-    :data:`QUICK_COMPILED_MODEL`).
+    times float32's: ``docs/performance-notes.md``). ``quick``: the quick run's models,
+    :data:`QUICK_MODEL` and :data:`QUICK_JAX_MODEL`.
     """
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    shape = SMALL_MODEL if small else FULL_MODEL
-    compiled_shape = SMALL_MODEL if small else (compiled_model or shape)
-    with (
-        warnings.catch_warnings(),
-        _variants(seed, shape, float16_autocast, compiled_shape) as rows,
-    ):
+    shape = SMALL_MODEL if small else QUICK_MODEL if quick else FULL_MODEL
+    with warnings.catch_warnings(), _variants(seed, shape, float16_autocast) as rows:
         warnings.simplefilter("ignore")  # transformers' and autocast's notes
         compiled_preview = rows[-1]
         after_warmup = _dynamo_counts()
@@ -264,7 +253,6 @@ def run(
             "rounds": rounds,
             "iters": iters,
             "model": dataclasses.asdict(shape),
-            "compiled_model": dataclasses.asdict(compiled_shape),
             "compiled": {
                 **at_end,
                 "frames_compiled_after_warmup": at_end["frames"] - after_warmup["frames"],
@@ -292,17 +280,23 @@ def run(
                 "float32_samples_s": float32.blocked,
             },
         }
-    result["jax"] = run_jax(rounds, jax_iters, seed, small) if jax_iters else None
+    layers = QUICK_JAX_MODEL if quick else None
+    result["jax"] = run_jax(rounds, jax_iters, seed, small, layers) if jax_iters else None
     return result
 
 
 def run_jax(
-    rounds: int = ROUNDS, iters: int = 10, seed: int = 0, small: bool = False
+    rounds: int = ROUNDS,
+    iters: int = 10,
+    seed: int = 0,
+    small: bool = False,
+    layers: int | None = None,
 ) -> dict[str, Any]:
     """The demo's JAX door's model and jitted flax NNX step (:mod:`workbench.byte_gpt_jax`), float32 against cbfloat16 (with the
     library's dynamic loss scaling and without), interleaved; medians of the ratios.
 
-    ``small``: 1 layer of width 32, 4 x 16 bytes (the harness test's size)."""
+    ``small``: 1 layer of width 32, 4 x 16 bytes (the harness test's size); ``layers``: the
+    demo's model with this many blocks (default: the demo's 2)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -313,6 +307,9 @@ def run_jax(
     from workbench.byte_gpt_jax import GPT, adamw, loss_scaled_step
 
     settings = Settings(seed=seed)
+    if layers is not None:
+        size = dataclasses.replace(settings.size, n_layer=layers)
+        settings = dataclasses.replace(settings, size=size)
     if small:
         settings = Settings(
             seed=seed, batch_size=4, size=ModelSize(n_layer=1, n_embd=32, n_positions=16)
@@ -359,7 +356,8 @@ def run_jax(
                 "spread": [min(ratios), max(ratios)],
             }
         )
-    return {"rounds": rounds, "iters": iters, "rows": rows}
+    return {"rounds": rounds, "iters": iters, "size": dataclasses.asdict(settings.size),
+            "batch": settings.batch_size, "rows": rows}  # fmt: skip
 
 
 def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -379,18 +377,29 @@ def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
     return markdown_table(header, body, ["l", "r", "r", "l"] + (["r"] if faults else []))
 
 
+def _jax_model(result: dict[str, Any]) -> str:
+    """``"2 layers, width 64, 32 x 64 bytes"`` (the demo's size where a result lacks it).
+
+    Example:
+        >>> _jax_model({"size": {"n_layer": 1, "n_embd": 64, "n_positions": 64}, "batch": 32})
+        '1 layer, width 64, 32 x 64 bytes'
+    """
+    size = result.get("size") or {"n_layer": 2, "n_embd": 64, "n_positions": 64}
+    layers = size["n_layer"]
+    return (
+        f"{layers} layer{'s' if layers != 1 else ''}, width {size['n_embd']}, "
+        f"{result.get('batch', 32)} x {size['n_positions']} bytes"
+    )
+
+
 def markdown(result: dict[str, Any], number: int) -> list[str]:
     """The report's cbfloat16 section."""
     counts = result.get("compiled")
     shape = ModelShape(**result.get("model", dataclasses.asdict(FULL_MODEL)))
-    compiled_shape = ModelShape(**result.get("compiled_model", dataclasses.asdict(shape)))
-    models = f"GPT2LMHeadModel, {shape.describe()}"
-    if compiled_shape != shape:
-        models += f" (the `torch.compile` rows: {compiled_shape.describe()}, both formats)"
     out = [
         f"## {number}. The cbfloat16 preview (Hugging Face GPT-2)",
         "",
-        f"{models}, random init, AdamW; whole training "
+        f"GPT2LMHeadModel, {shape.describe()}, random init, AdamW; whole training "
         f"iterations interleaved in one process, {result['rounds']} rounds of "
         f"{result['iters']}; ratio: median over iterations of the ratio to the float32 "
         "iteration next to it, eager to eager and compiled to compiled, with its spread "
@@ -421,7 +430,7 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
     if jax_result:
         out += [
             "",
-            "The JAX front door: the demo's flax NNX GPT (2 layers, width 64, 32 x 64 bytes) in "
+            f"The JAX front door: the demo's flax NNX GPT ({_jax_model(jax_result)}) in "
             "its jitted `LossScaledOptimizer` step, interleaved, "
             f"{jax_result['rounds']} rounds of {jax_result['iters']}:",
             "",

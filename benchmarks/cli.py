@@ -2,23 +2,16 @@
 
 Examples::
 
-    python -m benchmarks                            # every section, quick: S and tiny, 3 rounds
+    python -m benchmarks                            # every section, quick: S, 3 rounds
     python -m benchmarks --full                     # the documented numbers: S, M, tiny, 5 rounds
 
 The quick run (``make bench``, about 5 minutes on 2 cores from a fresh clone, every cache
-cold) cuts, against ``--full``: the sizes (S and tiny; the jax section at S only: at tiny's 148
-one-element leaves XLA compiles its gated floor for minutes); the rounds (3; the start-up
-section's at most 2); whole iterations with torch's default ``zero_grad()`` only; the JAX train
-step without its accumulated loss, at S; the cbfloat16 section's compiled rows on a 1-layer
-GPT-2, 4 iterations a round and no float16 autocast rows; the memory section's variants,
-iterations and processes.
-    python -m benchmarks --sections whole --sizes M # only whole iterations, at M
-    python -m benchmarks --sections scaler,jax      # the scaler-only and JAX-native tables
-    python -m benchmarks --no-ddp                   # everything but the 2-rank DDP row
-    python -m benchmarks --sections host            # host cost per gradient tensor (148, 1000)
-    python -m benchmarks --sections step            # the JAX train step with the other scalers
-    python -m benchmarks --sections startup,cbfloat16  # start-up; the cbfloat16 preview
-    python -m benchmarks --sections memory --sizes S,M # peak memory, a process per variant
+cold) cuts, against ``--full``: the sizes (S only: the host section's 148 one-element gradients
+measure what tiny's fixed cost shows, and XLA compiles the jax section's gated floor over tiny's
+148 one-element leaves for minutes); the rounds (3; the start-up section's 2); whole iterations
+with torch's default ``zero_grad()`` only; the JAX train step at S without its accumulated loss;
+the cbfloat16 section on 1-block models, 4 iterations a round, no float16 autocast rows; the
+memory section's variants, iterations and processes.
 """
 
 from __future__ import annotations
@@ -124,13 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"the documented run: sizes {','.join(FULL_SIZES)}, {FULL_ROUNDS} rounds, whole "
         "iterations with both zero_grad() settings, the step section at M with its three losses, "
-        "the cbfloat16 section's 4-layer compiled rows and float16 autocast rows, every memory "
-        "variant in 3 processes (about 25 minutes on 2 cores; default: the quick run, sizes "
-        f"{','.join(QUICK_SIZES)} (the jax section at S only), {QUICK_ROUNDS} rounds (start-up "
-        f"{QUICK_STARTUP_ROUNDS}), zero_grad() with torch's default only, the step section at S "
-        "without its accumulated loss, the cbfloat16 section's compiled rows on a 1-layer GPT-2 "
-        f"and {QUICK_CBFLOAT16_ITERS} iterations a round, 4 memory variants in one process "
-        "each: at most 5 minutes from a fresh clone)",
+        "the cbfloat16 section on the 4-layer GPT-2 with float16 autocast rows, every memory "
+        "variant in 3 processes (about 25 minutes on 2 cores; default: the quick run, size "
+        f"{','.join(QUICK_SIZES)}, {QUICK_ROUNDS} rounds (start-up {QUICK_STARTUP_ROUNDS}), "
+        "zero_grad() with torch's default only, the step section at S without its accumulated "
+        f"loss, the cbfloat16 section on 1-block models and {QUICK_CBFLOAT16_ITERS} iterations a "
+        "round, 4 memory variants in one process each: at most 5 minutes from a fresh clone)",
     )
     parser.add_argument(
         "--step-size",
@@ -144,8 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sizes,
         default=None,
         help=f"comma-separated sizes among {', '.join(SIZES)} for every section but ddp and "
-        f"host (default {','.join(QUICK_SIZES)}, the jax section at those but tiny; with --full "
-        f"{','.join(FULL_SIZES)})",
+        f"host (default {','.join(QUICK_SIZES)}; with --full {','.join(FULL_SIZES)})",
     )
     parser.add_argument(
         "--host-tensors",
@@ -200,8 +191,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = tuple(args.sizes or (FULL_SIZES if args.full else QUICK_SIZES))
     if args.large and "L" not in sizes:
         sizes += ("L",)
-    quick_sizes = not (args.full or args.sizes)
-    jax_sizes = tuple(s for s in sizes if not SIZES[s].tiny) if quick_sizes else None
     sections = tuple(s for s in args.sections if not (args.no_ddp and s == "ddp"))
     if not sections:
         raise SystemExit("python -m benchmarks: no section left to run")
@@ -213,7 +202,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_tensors=tuple(args.host_tensors),
         rounds=args.rounds or (FULL_ROUNDS if args.full else QUICK_ROUNDS),
         full=args.full,
-        jax_sizes=jax_sizes,
         iters=args.iters,
         warmup=max(0, args.warmup),
         seed=args.seed,

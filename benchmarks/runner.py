@@ -133,9 +133,9 @@ class BenchOptions:
             CPU without float16 arithmetic, seconds per iteration); ``False``, the quick run:
             the cuts of :data:`QUICK_STARTUP_ROUNDS`, :data:`QUICK_SET_TO_NONE`,
             :data:`QUICK_STEP_LOSSES`, :data:`QUICK_CBFLOAT16_ITERS`, :data:`MEMORY_ROUNDS`, and
-            the cbfloat16 section's compiled rows on
-            :data:`benchmarks.cbfloat16_bench.QUICK_COMPILED_MODEL`.
-        jax_sizes: the sizes of the ``jax`` section, among ``sizes`` (``None``: all of them).
+            the cbfloat16 section's models at
+            :data:`benchmarks.cbfloat16_bench.QUICK_MODEL` and
+            :data:`benchmarks.cbfloat16_bench.QUICK_JAX_MODEL`.
     """
 
     sizes: tuple[str, ...]
@@ -149,7 +149,6 @@ class BenchOptions:
     step_size: str = "M"
     host_tensors: tuple[int, ...] = host_bench.TENSORS
     full: bool = True
-    jax_sizes: tuple[str, ...] | None = None
 
 
 def _set_to_none(options: BenchOptions) -> tuple[bool, ...]:
@@ -162,10 +161,6 @@ def _startup_rounds(options: BenchOptions) -> int:
 
 def _step_losses(options: BenchOptions) -> tuple[str, ...]:
     return step_bench.LOSSES if options.full else QUICK_STEP_LOSSES
-
-
-def _runs_jax(options: BenchOptions, size: str) -> bool:
-    return "jax" in options.sections and (options.jax_sizes is None or size in options.jax_sizes)
 
 
 # Minimal traffic per parameter for the scaler's own work, by (optimizer, clip).
@@ -455,8 +450,6 @@ def _validate(options: BenchOptions) -> None:
             f"unknown step size {options.step_size!r}; choose from "
             f"{sorted(name for name, spec in SIZES.items() if not spec.tiny)}"
         )
-    if options.jax_sizes is not None and not set(options.jax_sizes) <= set(options.sizes):
-        raise ValueError(f"jax sizes {options.jax_sizes} must be among the sizes {options.sizes}")
     if options.rounds < 1 or (options.iters is not None and options.iters < 1):
         raise ValueError("rounds and iters must be positive")
     if "host" in options.sections and (not options.host_tensors or min(options.host_tensors) < 1):
@@ -471,16 +464,14 @@ def _ticks(options: BenchOptions) -> int:
         per_size += len(whole_loop.OPTIMIZERS) * len(_set_to_none(options)) * group
     if "scaler" in options.sections:
         per_size += (1 + len(whole_loop.OPTIMIZERS)) * group  # bandwidth, optimizers
-    jax_sizes = sum(_runs_jax(options, size) for size in options.sizes)
-    gradients = sum(
-        "scaler" in options.sections or _runs_jax(options, size) for size in options.sizes
-    )
+    if "jax" in options.sections:
+        per_size += group
+    if "scaler" in options.sections or "jax" in options.sections:
+        per_size += 1  # gradients
     host = len(options.host_tensors) * len(host_bench.OPTIMIZERS) * group
     step = len(_step_losses(options)) * group + 1  # the timed groups, then the checks
     return (
         len(options.sizes) * per_size
-        + jax_sizes * group
-        + gradients
         + ("ddp" in options.sections)
         + ("step" in options.sections) * step
         + ("host" in options.sections) * host
@@ -575,8 +566,7 @@ class _Run:
         if "whole" in sections:
             with self.clocked("whole"):
                 info["whole"] = self.whole(size, spec)
-        runs_jax = _runs_jax(self.options, size)
-        if "scaler" in sections or runs_jax:
+        if "scaler" in sections or "jax" in sections:
             self.bar.set_description(f"{size}: gradients")
             grad_start = time.perf_counter()
             grads = make_gradients(spec, self.options.seed)
@@ -589,7 +579,7 @@ class _Run:
             if "scaler" in sections:
                 with self.clocked("scaler"):
                     self.scaler_only(size, spec, grads)
-            if runs_jax:
+            if "jax" in sections:
                 with self.clocked("jax"):
                     self.jax(size, spec, grads)
             del grads
@@ -850,7 +840,7 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
                     seed=options.seed,
                     tick=state.tick,
                     float16_autocast=options.full,
-                    compiled_model=None if options.full else cbfloat16_bench.QUICK_COMPILED_MODEL,
+                    quick=not options.full,
                 )
         if "memory" in options.sections:
             bar.set_description("memory: fresh processes")

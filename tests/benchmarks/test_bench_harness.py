@@ -21,6 +21,7 @@ import torch
 
 from benchmarks import (
     bandwidth,
+    cbfloat16_bench,
     cli,
     ddp_bench,
     host_bench,
@@ -529,7 +530,7 @@ def test_the_quick_run_and_the_full_run(monkeypatch: pytest.MonkeyPatch, tmp_pat
     quick, full, chosen = seen
     assert quick.sections == full.sections == runner.SECTIONS
     assert (quick.sizes, quick.rounds, quick.step_size, quick.full) == (
-        ("S", "tiny"),
+        ("S",),
         3,
         "S",
         False,
@@ -541,17 +542,12 @@ def test_the_quick_run_and_the_full_run(monkeypatch: pytest.MonkeyPatch, tmp_pat
         True,
     )
     assert (chosen.sizes, chosen.rounds, chosen.step_size, chosen.full) == (("S",), 2, "S", True)
-    assert (quick.jax_sizes, full.jax_sizes, chosen.jax_sizes) == (("S",), None, None)
     cli.build_parser().parse_args(["--full", "--large"])  # --large still adds L
     # The quick run's cuts; the full run keeps every group, loss and round.
     assert runner._set_to_none(quick) == (True,) and runner._set_to_none(full) == (True, False)
     assert runner._step_losses(quick) == step_bench.LOSSES[:2]
     assert runner._step_losses(full) == step_bench.LOSSES
     assert (runner._startup_rounds(quick), runner._startup_rounds(full)) == (2, 5)
-    assert not runner._runs_jax(quick, "tiny") and runner._runs_jax(full, "tiny")
-    with pytest.raises(SystemExit):
-        cli.main(["--sizes", "tiny", "--sections", "jax", "--out", str(tmp_path)])
-    assert seen[-1].jax_sizes is None  # sizes chosen: the jax section runs at every one
 
 
 def test_choose_iters_makes_every_round_at_least_the_minimum() -> None:
@@ -585,7 +581,9 @@ def test_the_report_names_the_cpu_and_its_half_precision_features() -> None:
         assert set(features) == set(runner.CPU_FEATURES)
 
 
-@pytest.mark.parametrize("module", [report, host_bench, step_bench, plots, memory_bench])
+@pytest.mark.parametrize(
+    "module", [report, host_bench, step_bench, plots, memory_bench, cbfloat16_bench]
+)
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
@@ -607,8 +605,6 @@ def test_bad_arguments_are_rejected() -> None:
         runner.run(runner.BenchOptions(sizes=("XL",)))
     with pytest.raises(ValueError, match="unknown sections"):
         runner.run(runner.BenchOptions(sizes=("tiny",), sections=("whole", "floor")))
-    with pytest.raises(ValueError, match="must be among the sizes"):
-        runner.run(runner.BenchOptions(sizes=("S",), jax_sizes=("tiny",)))
     with pytest.raises(ValueError, match="unknown step size 'tiny'"):
         runner.run(runner.BenchOptions(sizes=("S",), sections=("step",), step_size="tiny"))
 

@@ -84,3 +84,5 @@ def test_cbfloat16_section_times_every_variant_interleaved(monkeypatch):
     assert "frames compiled after the warm-up: 0" in text
     assert "page faults / iteration" in text and "in blocks of 1 iterations" in text
     assert "| cbfloat16 + DLS |" in text
+    assert "GPT2LMHeadModel, 1 layer, d=32, 2x16 bytes" in text
+    assert "flax NNX GPT (1 layer, width 32, 4 x 16 bytes)" in text
