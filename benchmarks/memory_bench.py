@@ -331,10 +331,18 @@ def run(
     }
 
 
-def _noise(variant: str, ratio: float) -> str:
-    """A note for a ratio below 1 where the variant holds all its reference holds and more
-    (every variant but the float16-held model's): the heap's layout, not a result."""
-    return " (noise: below its 1.00x floor)" if ratio < 1 and variant != MASTER else ""
+def _ratio_cell(variant: str, ratio: float) -> str:
+    """The ratio, or, below 1 where the variant holds all its reference holds and more (every
+    variant but the float16-held model's), the floor with the measurement beside: the heap's
+    layout, not a result.
+
+    Example:
+        >>> _ratio_cell("torch", 1.0123), _ratio_cell("torch", 0.9971)
+        ('1.012', 'at its 1.00x floor (measured 0.997: noise)')
+    """
+    if ratio < 1 and variant != MASTER:
+        return f"at its 1.00x floor (measured {ratio:.3f}: noise)"
+    return f"{ratio:.3f}"
 
 
 def markdown(result: dict[str, Any], number: int) -> list[str]:
@@ -349,7 +357,7 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
             row["size"],
             row["variant"],
             f"{row['peak_rss_mb']:.0f}",
-            "" if ratio is None else f"{ratio:.3f}" + _noise(row["variant"], ratio),
+            "" if ratio is None else _ratio_cell(row["variant"], ratio),
             row["reference"] or "",
             f"{row['minor_faults_per_step']:.0f}",
         ]

@@ -558,12 +558,13 @@ def test_choose_iters_makes_every_round_at_least_the_minimum() -> None:
     assert timing.choose_iters(5, 0.01, fixed=True) == 5  # the user's --iters is kept
 
 
-def test_a_ratio_below_its_floor_is_marked_as_noise() -> None:
+def test_no_ratio_below_its_floor_is_printed_as_a_result() -> None:
     below = {"median": 0.93, "min": 0.88, "max": 1.02}
     never = {"median": 0.47, "min": 0.33, "max": 0.50}
     assert report._ratio_cell(never, floor=1.0).endswith("the reference is not a floor here)")
     above = {"median": 1.04, "min": 0.97, "max": 1.10}
-    assert report._ratio_cell(below, floor=1.0).endswith("(noise: below its 1.00x floor)")
+    cell = report._ratio_cell(below, floor=1.0)
+    assert cell == "at its 1.00x floor (measured 0.930x [0.880, 1.02]: noise)"
     assert "noise" not in report._ratio_cell(above, floor=1.0)
     assert "noise" not in report._ratio_cell(below)  # no floor: a result
     assert report.STEP_FLOORS["ratio_plain"][step_bench.WITH_LOSS_SCALING] == 1.0
