@@ -57,8 +57,10 @@ dist: $(STAMP)
 	$(PY) -m build --no-isolation --outdir dist .
 	$(VENV)/bin/twine check --strict dist/*
 
-# The quick run (every section, fewer sizes and rounds: about 5 minutes on 2 cores); bench-full
-# gives the documented numbers (docs/performance.md), bench-large adds the L size to them.
+# The quick run: every section at S, fewer rounds, groups and models (benchmarks/cli.py lists
+# the cuts); at most 5 minutes on 2 idle cores from a fresh clone, every cache cold
+# (docs/performance-notes.md). bench-full gives the documented numbers (docs/performance.md),
+# bench-large adds the L size to them.
 bench: $(STAMP)
 	$(PY) -m benchmarks
 

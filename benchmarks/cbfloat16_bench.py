@@ -2,8 +2,13 @@
 eagerly and under ``torch.compile``, and the JAX front door's jitted step.
 
 ``GPT2LMHeadModel`` with 4 layers, d=256, 4 heads, a byte vocabulary (256), random init, one
-batch of 8x128 random bytes, AdamW; variants interleaved in one process (each its own copy of
-the same model), medians. Run alone: ``python -m benchmarks --sections cbfloat16``.
+batch of 8x128 random bytes, AdamW (:data:`FULL_MODEL`); variants interleaved in one process
+(each its own copy of the same model), medians. Run alone:
+``python -m benchmarks --full --sections cbfloat16``. The quick run (``make bench``) times
+every row on one block of the same width and batch (:data:`QUICK_MODEL`), and the JAX door on
+one block of the demo's model (:data:`QUICK_JAX_MODEL`): a cold inductor compile of the 4-layer
+model in both formats takes minutes on 2 cores, which a first ``make bench`` paid, and on a
+shared machine an eager 4-layer iteration took seconds (torch's threads waiting for each other).
 
 * ``float32``: forward, backward, ``optimizer.step()``, ``zero_grad()``; no scaler;
 * ``cbfloat16 preview``: the same inside ``cstorch.amp.cbfloat16_numerics`` (entered once,
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import resource
 import statistics
 import time
@@ -47,16 +53,52 @@ BACKEND = "inductor"
 one; ``tests/torch_facade/test_cbfloat16_compile.py`` compiles the preview with inductor)."""
 
 
-def _gpt2(seed: int, small: bool = False) -> torch.nn.Module:
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A GPT-2 of the section and its batch of random bytes.
+
+    Attributes:
+        layers: transformer blocks.
+        width: model width (4 heads).
+        batch: sequences per iteration.
+        tokens: bytes per sequence (also the model's context).
+    """
+
+    layers: int
+    width: int
+    batch: int
+    tokens: int
+
+    def describe(self) -> str:
+        """``"4 layers, d=256, 8x128 bytes"``."""
+        plural = "s" if self.layers != 1 else ""
+        return f"{self.layers} layer{plural}, d={self.width}, {self.batch}x{self.tokens} bytes"
+
+
+FULL_MODEL = ModelShape(layers=4, width=256, batch=8, tokens=128)
+"""The section's model (``--full``)."""
+
+QUICK_MODEL = ModelShape(layers=1, width=256, batch=8, tokens=128)
+"""The quick run's model: one block of the same width and batch (inductor compiles one block's
+kernels instead of four: its cold compile was most of the section)."""
+
+QUICK_JAX_MODEL = 1
+"""Blocks of the JAX door's model in the quick run (the demo's: 2)."""
+
+SMALL_MODEL = ModelShape(layers=1, width=32, batch=2, tokens=16)
+"""The harness test's model (``small=True``)."""
+
+
+def _gpt2(seed: int, shape: ModelShape) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
-    width, layers = (32, 1) if small else (256, 4)
     config = GPT2Config(
-        vocab_size=256, n_positions=128, n_embd=width, n_layer=layers, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=256, n_positions=shape.tokens, n_embd=shape.width, n_layer=shape.layers,
+        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+        eos_token_id=0,
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     model.config.use_cache = False
@@ -93,12 +135,13 @@ def _timed(step: Callable[[], None], faults: list[int]) -> float:
 
 
 @contextlib.contextmanager
-def _variants(seed: int, small: bool, float16_autocast: bool) -> Iterator[list[_Variant]]:
+def _variants(seed: int, shape: ModelShape, float16_autocast: bool) -> Iterator[list[_Variant]]:
+    """Every row, each with its own copy of the model, inside the previews' numerics."""
     import torch_facade as cstorch
 
-    base = _gpt2(seed, small)
-    shape = (2, 16) if small else (8, 128)
-    tokens = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed + 1))
+    base = _gpt2(seed, shape)
+    generator = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, 256, (shape.batch, shape.tokens), generator=generator)
 
     def make(
         name: str, autocast: torch.dtype | None, scaler: Any, compiled: bool = False
@@ -162,21 +205,24 @@ def run(
     small: bool = False,
     jax_iters: int = 10,
     float16_autocast: bool = True,
+    quick: bool = False,
 ) -> dict[str, Any]:
     """Times every variant ``rounds`` x ``iters`` times, interleaved; returns the rows, and the
     JAX door's under ``"jax"`` (``rounds`` x ``jax_iters`` steps; 0: not run).
 
-    ``small``: a 1-layer GPT-2 of width 32 on 2 x 16 bytes (the harness test's size).
-    ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a CPU without
-    float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there, many times
-    float32's: ``docs/performance-notes.md``).
+    ``small``: every model at :data:`SMALL_MODEL` and the JAX door's at its small size (the
+    harness test's). ``float16_autocast``: also the two float16 ``torch.autocast`` rows (on a
+    CPU without float16 arithmetic, AVX-512 FP16 or AMX, an iteration takes seconds there, many
+    times float32's: ``docs/performance-notes.md``). ``quick``: the quick run's models,
+    :data:`QUICK_MODEL` and :data:`QUICK_JAX_MODEL`.
     """
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    with warnings.catch_warnings(), _variants(seed, small, float16_autocast) as rows:
+    shape = SMALL_MODEL if small else QUICK_MODEL if quick else FULL_MODEL
+    with warnings.catch_warnings(), _variants(seed, shape, float16_autocast) as rows:
         warnings.simplefilter("ignore")  # transformers' and autocast's notes
         compiled_preview = rows[-1]
         after_warmup = _dynamo_counts()
@@ -206,6 +252,7 @@ def run(
         result = {
             "rounds": rounds,
             "iters": iters,
+            "model": dataclasses.asdict(shape),
             "compiled": {
                 **at_end,
                 "frames_compiled_after_warmup": at_end["frames"] - after_warmup["frames"],
@@ -233,17 +280,23 @@ def run(
                 "float32_samples_s": float32.blocked,
             },
         }
-    result["jax"] = run_jax(rounds, jax_iters, seed, small) if jax_iters else None
+    layers = QUICK_JAX_MODEL if quick else None
+    result["jax"] = run_jax(rounds, jax_iters, seed, small, layers) if jax_iters else None
     return result
 
 
 def run_jax(
-    rounds: int = ROUNDS, iters: int = 10, seed: int = 0, small: bool = False
+    rounds: int = ROUNDS,
+    iters: int = 10,
+    seed: int = 0,
+    small: bool = False,
+    layers: int | None = None,
 ) -> dict[str, Any]:
     """The demo's JAX door's model and jitted flax NNX step (:mod:`workbench.byte_gpt_jax`), float32 against cbfloat16 (with the
     library's dynamic loss scaling and without), interleaved; medians of the ratios.
 
-    ``small``: 1 layer of width 32, 4 x 16 bytes (the harness test's size)."""
+    ``small``: 1 layer of width 32, 4 x 16 bytes (the harness test's size); ``layers``: the
+    demo's model with this many blocks (default: the demo's 2)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -254,6 +307,9 @@ def run_jax(
     from workbench.byte_gpt_jax import GPT, adamw, loss_scaled_step
 
     settings = Settings(seed=seed)
+    if layers is not None:
+        size = dataclasses.replace(settings.size, n_layer=layers)
+        settings = dataclasses.replace(settings, size=size)
     if small:
         settings = Settings(
             seed=seed, batch_size=4, size=ModelSize(n_layer=1, n_embd=32, n_positions=16)
@@ -300,7 +356,8 @@ def run_jax(
                 "spread": [min(ratios), max(ratios)],
             }
         )
-    return {"rounds": rounds, "iters": iters, "rows": rows}
+    return {"rounds": rounds, "iters": iters, "size": dataclasses.asdict(settings.size),
+            "batch": settings.batch_size, "rows": rows}  # fmt: skip
 
 
 def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -320,13 +377,29 @@ def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
     return markdown_table(header, body, ["l", "r", "r", "l"] + (["r"] if faults else []))
 
 
+def _jax_model(result: dict[str, Any]) -> str:
+    """``"2 layers, width 64, 32 x 64 bytes"`` (the demo's size where a result lacks it).
+
+    Example:
+        >>> _jax_model({"size": {"n_layer": 1, "n_embd": 64, "n_positions": 64}, "batch": 32})
+        '1 layer, width 64, 32 x 64 bytes'
+    """
+    size = result.get("size") or {"n_layer": 2, "n_embd": 64, "n_positions": 64}
+    layers = size["n_layer"]
+    return (
+        f"{layers} layer{'s' if layers != 1 else ''}, width {size['n_embd']}, "
+        f"{result.get('batch', 32)} x {size['n_positions']} bytes"
+    )
+
+
 def markdown(result: dict[str, Any], number: int) -> list[str]:
     """The report's cbfloat16 section."""
     counts = result.get("compiled")
+    shape = ModelShape(**result.get("model", dataclasses.asdict(FULL_MODEL)))
     out = [
         f"## {number}. The cbfloat16 preview (Hugging Face GPT-2)",
         "",
-        "GPT2LMHeadModel, 4 layers, d=256, 8x128 bytes, random init, AdamW; whole training "
+        f"GPT2LMHeadModel, {shape.describe()}, random init, AdamW; whole training "
         f"iterations interleaved in one process, {result['rounds']} rounds of "
         f"{result['iters']}; ratio: median over iterations of the ratio to the float32 "
         "iteration next to it, eager to eager and compiled to compiled, with its spread "
@@ -357,7 +430,7 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
     if jax_result:
         out += [
             "",
-            "The JAX front door: the demo's flax NNX GPT (2 layers, width 64, 32 x 64 bytes) in "
+            f"The JAX front door: the demo's flax NNX GPT ({_jax_model(jax_result)}) in "
             "its jitted `LossScaledOptimizer` step, interleaved, "
             f"{jax_result['rounds']} rounds of {jax_result['iters']}:",
             "",

@@ -2,15 +2,16 @@
 
 Examples::
 
-    python -m benchmarks                            # every section, quick: S and tiny, 3 rounds
+    python -m benchmarks                            # every section, quick: S, 3 rounds
     python -m benchmarks --full                     # the documented numbers: S, M, tiny, 5 rounds
-    python -m benchmarks --sections whole --sizes M # only whole iterations, at M
-    python -m benchmarks --sections scaler,jax      # the scaler-only and JAX-native tables
-    python -m benchmarks --no-ddp                   # everything but the 2-rank DDP row
-    python -m benchmarks --sections host            # host cost per gradient tensor (148, 1000)
-    python -m benchmarks --sections step            # the JAX train step with the other scalers
-    python -m benchmarks --sections startup,cbfloat16  # start-up; the cbfloat16 preview
-    python -m benchmarks --sections memory --sizes S,M # peak memory, a process per variant
+
+The quick run (``make bench``, about 5 minutes on 2 cores from a fresh clone, every cache
+cold) cuts, against ``--full``: the sizes (S only: the host section's 148 one-element gradients
+measure what tiny's fixed cost shows, and XLA compiles the jax section's gated floor over tiny's
+148 one-element leaves for minutes); the rounds (3; the start-up section's 2); whole iterations
+with torch's default ``zero_grad()`` only; the JAX train step at S without its accumulated loss;
+the cbfloat16 section on 1-block models, 4 iterations a round, no float16 autocast rows; the
+memory section's variants, iterations and processes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from pathlib import Path
 
 from benchmarks import host_bench, plots, report
 from benchmarks.ddp_bench import ITERS as DDP_ITERS
-from benchmarks.runner import FULL_ROUNDS, QUICK_ROUNDS, SECTIONS, BenchOptions, run
+from benchmarks.runner import (
+    FULL_ROUNDS,
+    QUICK_CBFLOAT16_ITERS,
+    QUICK_ROUNDS,
+    QUICK_STARTUP_ROUNDS,
+    SECTIONS,
+    BenchOptions,
+    run,
+)
 from benchmarks.torch_bench import WARMUP_STEPS
 from workbench.processes import comma_names
 from workbench.sizes import FULL_SIZES, QUICK_SIZES, SIZES
@@ -106,11 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--full",
         action="store_true",
-        help=f"the documented run: sizes {','.join(FULL_SIZES)}, {FULL_ROUNDS} rounds, the step "
-        "section at M, the cbfloat16 section's float16 autocast rows, every memory variant in "
-        "3 processes (about 25 minutes on 2 "
-        f"cores; default: the quick run, sizes {','.join(QUICK_SIZES)}, {QUICK_ROUNDS} rounds, "
-        "the step section at S, about 5 minutes)",
+        help=f"the documented run: sizes {','.join(FULL_SIZES)}, {FULL_ROUNDS} rounds, whole "
+        "iterations with both zero_grad() settings, the step section at M with its three losses, "
+        "the cbfloat16 section on the 4-layer GPT-2 with float16 autocast rows, every memory "
+        "variant in 3 processes (about 25 minutes on 2 cores; default: the quick run, size "
+        f"{','.join(QUICK_SIZES)}, {QUICK_ROUNDS} rounds (start-up {QUICK_STARTUP_ROUNDS}), "
+        "zero_grad() with torch's default only, the step section at S without its accumulated "
+        f"loss, the cbfloat16 section on 1-block models and {QUICK_CBFLOAT16_ITERS} iterations a "
+        "round, 4 memory variants in one process each: at most 5 minutes from a fresh clone)",
     )
     parser.add_argument(
         "--step-size",

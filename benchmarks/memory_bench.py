@@ -225,6 +225,30 @@ with open("/proc/self/status") as status:
 ``subprocess``) inherits its parent's peak in it, across ``exec``."""
 
 
+CORES = {"facade": "facade", PREVIEW: "facade", "facade+clip": "facade+clip", MASTER: MASTER}
+"""The facade variants, by the decision core they compile: the preview's loop is the ``facade``
+loop (the same float32 gradients, the same scaler), so one warm-up process serves both."""
+
+
+def warm_up_variants(variants: Sequence[str]) -> list[str]:
+    """One variant per decision core among ``variants``, to compile it into the run's cache:
+    the preview rather than the plain facade where both are run (its process also compiles
+    the preview's rounding loop into inductor's cache).
+
+    Example:
+        >>> warm_up_variants(["float32", "torch", "facade", "cbfloat16 preview"])
+        ['cbfloat16 preview']
+        >>> warm_up_variants(["facade", "torch+clip", "facade+clip"])
+        ['facade', 'facade+clip']
+    """
+    chosen: dict[str, str] = {}
+    for variant in variants:
+        core = CORES.get(variant)
+        if core is not None and chosen.get(core) != PREVIEW:
+            chosen[core] = variant
+    return list(chosen.values())
+
+
 def run(
     sizes: Sequence[str],
     rounds: int = 1,
@@ -239,7 +263,7 @@ def run(
     (variants alternating); returns the medians, the ratios and every sample.
 
     ``warm``: first compile the facade's decision cores into the run's own cache (a process per
-    facade variant and size), so that every row is a script's second run; ``False`` leaves
+    core and size: :func:`warm_up_variants`), so that every row is a script's second run; ``False`` leaves
     that out, and the facade rows are first runs (the core compiled in the first iteration).
 
     Raises:
@@ -258,9 +282,8 @@ def run(
         # run's own cache (a first run also compiles it, in the first iteration: tens of MB
         # more at M, docs/performance-notes.md).
         for size in sizes if warm else ():
-            for variant in variants:
-                if variant not in ("float32", "torch", "torch+clip"):
-                    _child(variant, size, 1, device, seed, cache)
+            for variant in warm_up_variants(variants):
+                _child(variant, size, 1, device, seed, cache)
         for _ in range(rounds):
             for name, code in IMPORTS.items():
                 imports[name].append(_import_peak(code))
@@ -308,10 +331,18 @@ def run(
     }
 
 
-def _noise(variant: str, ratio: float) -> str:
-    """A note for a ratio below 1 where the variant holds all its reference holds and more
-    (every variant but the float16-held model's): the heap's layout, not a result."""
-    return " (noise: below its 1.00x floor)" if ratio < 1 and variant != MASTER else ""
+def _ratio_cell(variant: str, ratio: float) -> str:
+    """The ratio, or, below 1 where the variant holds all its reference holds and more (every
+    variant but the float16-held model's), the floor with the measurement beside: the heap's
+    layout, not a result.
+
+    Example:
+        >>> _ratio_cell("torch", 1.0123), _ratio_cell("torch", 0.9971)
+        ('1.012', 'at its 1.00x floor (measured 0.997: noise)')
+    """
+    if ratio < 1 and variant != MASTER:
+        return f"at its 1.00x floor (measured {ratio:.3f}: noise)"
+    return f"{ratio:.3f}"
 
 
 def markdown(result: dict[str, Any], number: int) -> list[str]:
@@ -326,7 +357,7 @@ def markdown(result: dict[str, Any], number: int) -> list[str]:
             row["size"],
             row["variant"],
             f"{row['peak_rss_mb']:.0f}",
-            "" if ratio is None else f"{ratio:.3f}" + _noise(row["variant"], ratio),
+            "" if ratio is None else _ratio_cell(row["variant"], ratio),
             row["reference"] or "",
             f"{row['minor_faults_per_step']:.0f}",
         ]

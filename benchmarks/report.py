@@ -84,6 +84,25 @@ def _cpu_note(meta: dict[str, Any]) -> str:
     return f"CPU: {model}; " + "; ".join(f"{k}: {yes(v)}" for k, v in listed) + "."
 
 
+def _section_times(meta: dict[str, Any]) -> list[str]:
+    """Where the run's time went: each section's wall seconds and CPU seconds (this process's
+    and its child processes', together).
+
+    Example:
+        >>> seconds = {"whole": {"wall": 61.2, "cpu": 100.4, "children_cpu": 0.0}}
+        >>> _section_times({"section_seconds": seconds})
+        ['Section times, wall / CPU s (child processes included): whole 61 / 100.', '']
+    """
+    seconds = meta.get("section_seconds") or {}
+    if not seconds:
+        return []
+    cells = ", ".join(
+        f"{name} {s['wall']:.0f} / {s['cpu'] + s['children_cpu']:.0f}"
+        for name, s in seconds.items()
+    )
+    return [f"Section times, wall / CPU s (child processes included): {cells}.", ""]
+
+
 def _header(results: dict[str, Any]) -> list[str]:
     meta = results["meta"]
     sizes = results["sizes"]
@@ -101,6 +120,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         _thread_note(meta),
         "",
+        *_section_times(meta),
         *(
             ["Sizes: " + "; ".join(_size_text(name, s) for name, s in sizes.items()) + ".", ""]
             if sizes
@@ -285,13 +305,16 @@ def _ratio_cell(stats: dict[str, Any], floor: float | None = None) -> str:
     """A ratio cell, or ``n/a`` where the ratio is undefined (``None`` in the JSON, NaN before).
 
     ``floor``: the least the ratio can truly be (a variant that does all of its reference's
-    work, and more, cannot take less time): a median below it is the machine's noise, and the
-    cell says so instead of reporting it as a result.
+    work, and more, cannot take less time). A median below it, with a round at or above it, is
+    the machine's noise, not a result: the cell says the variant is at its floor and shows the
+    measurement beside, so that no ratio below a floor is printed as a result. Where every round
+    is below, the reference does work this variant does not (a fusion): that is a result, and
+    the cell says the reference is not a floor there.
 
     Example:
         >>> from benchmarks.report import _ratio_cell
         >>> _ratio_cell({"median": 0.95, "min": 0.9, "max": 1.1}, floor=1.0)
-        '0.950x [0.900, 1.10] (noise: below its 1.00x floor)'
+        'at its 1.00x floor (measured 0.950x [0.900, 1.10]: noise)'
         >>> _ratio_cell({"median": 0.5, "min": 0.4, "max": 0.6}, floor=1.0)
         '0.500x [0.400, 0.600] (every round below 1.00x: the reference is not a floor here)'
         >>> _ratio_cell({"median": 1.05, "min": 0.9, "max": 1.1}, floor=1.0)
@@ -302,9 +325,9 @@ def _ratio_cell(stats: dict[str, Any], floor: float | None = None) -> str:
     cell = stats_cell(stats, "x")
     if floor is not None and stats["median"] < floor:
         if stats["max"] is not None and stats["max"] >= floor:
-            cell += f" (noise: below its {floor:.2f}x floor)"
-        else:  # every round below: the reference does work this variant does not (a fusion)
-            cell += f" (every round below {floor:.2f}x: the reference is not a floor here)"
+            return f"at its {floor:.2f}x floor (measured {cell}: noise)"
+        # every round below: the reference does work this variant does not (a fusion)
+        cell += f" (every round below {floor:.2f}x: the reference is not a floor here)"
     return cell
 
 
@@ -360,11 +383,15 @@ def _step_section(results: dict[str, Any], heading: int) -> list[str]:
         f"({versions}), with the same loss scale 1 + 2^-23 (no overflow, no growth); jmp with a "
         "float32 scale (its README's float16 one fails, below). Ratios: median [min, max] "
         "over rounds of the per-round ratio; a variant that does all of a reference's work and "
-        "more cannot be faster than it, so a median below 1.00x there is marked as noise, not "
-        "a result (where every round is below, the reference did work that XLA fused away in "
+        "more cannot be faster than it, so a median below 1.00x there is noise, not a result: "
+        "the cell reads 'at its 1.00x floor' with the measurement beside (where every round is "
+        "below, the reference did work that XLA fused away in "
         "the variant, and is marked as no floor there). Traces: how often the step was traced "
         "(1 = one "
-        f"compilation). Steps per round: {_iters(results, 'step')}.",
+        f"compilation). Steps per round: {_iters(results, 'step')}; where a round has "
+        f"{2 * results['meta'].get('whole_run', 0)} or more, the variants take turns in runs "
+        f"of {results['meta'].get('whole_run')} (each after an untimed step), else variant by "
+        "variant.",
         "",
     ]
     by_variant: dict[str, dict[str, dict[str, Any]]] = {}

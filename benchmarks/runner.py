@@ -9,6 +9,7 @@ import gc
 import math
 import os
 import platform
+import resource
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -66,8 +67,9 @@ HOST_ITERS = 100
 """Timed iterations per variant and round in the ``host`` section (fewer when steps are slow)."""
 
 WHOLE_RUN = 5
-"""The whole-iteration section's variants take turns in runs of this many timed iterations
-(each run after one untimed iteration) where a round holds at least two runs: the machine's
+"""The whole-iteration and JAX train-step sections' variants take turns in runs of this many
+timed iterations (each run after one untimed iteration) where a round holds at least two runs
+(:meth:`_Run.whole_plan`): the machine's
 speed drifts over a round, and each timed iteration then still follows one of its own loop's
 (see :class:`workbench.timing.Plan`)."""
 
@@ -83,6 +85,23 @@ the JAX train step as users write it, with the floor and the other JAX scalers; 
 step on gradients passed in as inputs (a narrower second view); the host cost per gradient
 tensor (one-element gradients); start-up; the cbfloat16 preview; peak memory, a fresh process
 per variant."""
+
+QUICK_STARTUP_ROUNDS = 2
+"""At most this many rounds of fresh processes in the quick run's start-up section (six
+processes a round, each paying the imports; ``--full``: ``--rounds``). Start-up has no ratio
+with a floor, and its rows differ by seconds, not by a few percent."""
+
+QUICK_SET_TO_NONE = (True,)
+"""The quick run's whole-iteration groups: torch's default ``zero_grad()`` only, the loop users
+run (``--full`` adds ``set_to_none=False``, whose picture the documented runs show is the same)."""
+
+QUICK_STEP_LOSSES = step_bench.LOSSES[:2]
+"""The quick run's JAX train-step groups: the real forward and the synthetic loss (``--full``
+adds the accumulated step, six more compilations of a ``lax.scan`` over micro-batches)."""
+
+QUICK_CBFLOAT16_ITERS = 4
+"""Alternating iterations per round of the quick run's cbfloat16 section (``--full``:
+:data:`benchmarks.cbfloat16_bench.ITERS`), and as many in blocks."""
 
 MEMORY_ROUNDS = {False: 1, True: 3}
 """Fresh processes per variant and size of the memory section: the quick run (its four main
@@ -111,7 +130,12 @@ class BenchOptions:
         step_size: the layout of the ``step`` section's parameters.
         host_tensors: the gradient tensor counts of the ``host`` section.
         full: the documented run: also the cbfloat16 section's float16 autocast rows (on a
-            CPU without float16 arithmetic, seconds per iteration).
+            CPU without float16 arithmetic, seconds per iteration); ``False``, the quick run:
+            the cuts of :data:`QUICK_STARTUP_ROUNDS`, :data:`QUICK_SET_TO_NONE`,
+            :data:`QUICK_STEP_LOSSES`, :data:`QUICK_CBFLOAT16_ITERS`, :data:`MEMORY_ROUNDS`, and
+            the cbfloat16 section's models at
+            :data:`benchmarks.cbfloat16_bench.QUICK_MODEL` and
+            :data:`benchmarks.cbfloat16_bench.QUICK_JAX_MODEL`.
     """
 
     sizes: tuple[str, ...]
@@ -125,6 +149,18 @@ class BenchOptions:
     step_size: str = "M"
     host_tensors: tuple[int, ...] = host_bench.TENSORS
     full: bool = True
+
+
+def _set_to_none(options: BenchOptions) -> tuple[bool, ...]:
+    return whole_loop.SET_TO_NONE if options.full else QUICK_SET_TO_NONE
+
+
+def _startup_rounds(options: BenchOptions) -> int:
+    return options.rounds if options.full else min(options.rounds, QUICK_STARTUP_ROUNDS)
+
+
+def _step_losses(options: BenchOptions) -> tuple[str, ...]:
+    return step_bench.LOSSES if options.full else QUICK_STEP_LOSSES
 
 
 # Minimal traffic per parameter for the scaler's own work, by (optimizer, clip).
@@ -395,6 +431,7 @@ def _meta(options: BenchOptions, argv: Sequence[str] | None) -> dict[str, Any]:
         "host_run": HOST_RUN,
         "whole_run": WHOLE_RUN,
         "step_size": options.step_size,
+        "section_seconds": {},
         "time_unit": "seconds in cases; milliseconds in *_ms rows",
     }
 
@@ -424,7 +461,7 @@ def _ticks(options: BenchOptions) -> int:
     group = options.rounds + 1
     per_size = 0
     if "whole" in options.sections:
-        per_size += len(whole_loop.OPTIMIZERS) * len(whole_loop.SET_TO_NONE) * group
+        per_size += len(whole_loop.OPTIMIZERS) * len(_set_to_none(options)) * group
     if "scaler" in options.sections:
         per_size += (1 + len(whole_loop.OPTIMIZERS)) * group  # bandwidth, optimizers
     if "jax" in options.sections:
@@ -432,13 +469,13 @@ def _ticks(options: BenchOptions) -> int:
     if "scaler" in options.sections or "jax" in options.sections:
         per_size += 1  # gradients
     host = len(options.host_tensors) * len(host_bench.OPTIMIZERS) * group
-    step = len(step_bench.LOSSES) * group + 1  # the timed groups, then the checks
+    step = len(_step_losses(options)) * group + 1  # the timed groups, then the checks
     return (
         len(options.sizes) * per_size
         + ("ddp" in options.sections)
         + ("step" in options.sections) * step
         + ("host" in options.sections) * host
-        + ("startup" in options.sections) * options.rounds
+        + ("startup" in options.sections) * _startup_rounds(options)
         + ("cbfloat16" in options.sections) * options.rounds
         + ("memory" in options.sections) * MEMORY_ROUNDS[options.full]
     )
@@ -476,6 +513,10 @@ class _Run:
         """Advances the progress bar by one step."""
         self.bar.update(1)
 
+    def clocked(self, section: str) -> contextlib.AbstractContextManager[None]:
+        """Adds the block's wall and CPU seconds to ``meta.section_seconds[section]``."""
+        return _clocked(self.results["meta"]["section_seconds"], section)
+
     def plan(self, spec: SizeSpec) -> Plan:
         """Rounds, steps per round and warm-up for ``spec``."""
         return Plan(
@@ -488,7 +529,9 @@ class _Run:
     def whole_plan(self, spec: SizeSpec) -> Plan:
         """:meth:`plan`, with the variants taking turns in runs of :data:`WHOLE_RUN` iterations
         where a round has room for two runs (S and tiny; M's few long iterations stay variant
-        by variant)."""
+        by variant). The whole-iteration and JAX train-step sections use it: at S their steps
+        take milliseconds, and a round variant by variant (seconds) lets the machine's drift
+        put one variant's median below the floor another variant's sets."""
         plan = self.plan(spec)
         if plan.max_iters < 2 * WHOLE_RUN:
             return plan
@@ -521,7 +564,8 @@ class _Run:
         self.results["sizes"][size] = info
         sections = self.options.sections
         if "whole" in sections:
-            info["whole"] = self.whole(size, spec)
+            with self.clocked("whole"):
+                info["whole"] = self.whole(size, spec)
         if "scaler" in sections or "jax" in sections:
             self.bar.set_description(f"{size}: gradients")
             grad_start = time.perf_counter()
@@ -533,9 +577,11 @@ class _Run:
             }
             self.tick()
             if "scaler" in sections:
-                self.scaler_only(size, spec, grads)
+                with self.clocked("scaler"):
+                    self.scaler_only(size, spec, grads)
             if "jax" in sections:
-                self.jax(size, spec, grads)
+                with self.clocked("jax"):
+                    self.jax(size, spec, grads)
             del grads
             gc.collect()
         info["other_cpu_cores"] = share.other_cores()
@@ -547,7 +593,7 @@ class _Run:
             loss = float(next_token_loss(workload.model, workload.tokens))
         subnormals = whole_loop.count_subnormals(workload)
         for optimizer in whole_loop.OPTIMIZERS:
-            for set_to_none in whole_loop.SET_TO_NONE:
+            for set_to_none in _set_to_none(self.options):
                 self.bar.set_description(f"{size}: whole {optimizer}, set_to_none={set_to_none}")
                 group = whole_loop.run_group(
                     workload,
@@ -628,10 +674,10 @@ class _Run:
             "findings": [],
         }
         self.results["step"] = info
-        for loss in step_bench.LOSSES:
+        for loss in _step_losses(self.options):
             self.bar.set_description(f"{size}: JAX train step, {loss}")
             group = step_bench.run_group(
-                spec, loss, self.plan(spec), self.counter, self.tick, self.options.seed
+                spec, loss, self.whole_plan(spec), self.counter, self.tick, self.options.seed
             )
             self.tick()
             self.add_cases("step", size, loss, group.timings, group.first)
@@ -706,6 +752,29 @@ class _Run:
         )
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    """This process's CPU seconds (user + system) and its finished children's."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@contextlib.contextmanager
+def _clocked(seconds: dict[str, dict[str, float]], name: str) -> Iterator[None]:
+    """Adds the block's wall time, this process's CPU time and its children's (fresh processes,
+    DDP ranks) to ``seconds[name]``: where a run's minutes go, section by section."""
+    wall = time.perf_counter()
+    own, children = _cpu_seconds()
+    try:
+        yield
+    finally:
+        own_end, children_end = _cpu_seconds()
+        entry = seconds.setdefault(name, {"wall": 0.0, "cpu": 0.0, "children_cpu": 0.0})
+        entry["wall"] += time.perf_counter() - wall
+        entry["cpu"] += own_end - own
+        entry["children_cpu"] += children_end - children
+
+
 @contextlib.contextmanager
 def _frozen_heap() -> Iterator[None]:
     """Keeps what the process holds before the run (torch, JAX, their modules) out of the
@@ -750,30 +819,41 @@ def run(options: BenchOptions, argv: Sequence[str] | None = None) -> dict[str, A
             for size in options.sizes:
                 state.size(size)
         if "ddp" in options.sections:
-            state.ddp()
+            with state.clocked("ddp"):
+                state.ddp()
         if "step" in options.sections:
-            state.step()
+            with state.clocked("step"):
+                state.step()
         if "host" in options.sections:
-            state.host()
+            with state.clocked("host"):
+                state.host()
         if "startup" in options.sections:
             bar.set_description("start-up: fresh processes")
-            results["startup"] = startup_bench.run(options.rounds, state.tick)
+            with state.clocked("startup"):
+                results["startup"] = startup_bench.run(_startup_rounds(options), state.tick)
         if "cbfloat16" in options.sections:
             bar.set_description("cbfloat16 preview: GPT-2")
-            results["cbfloat16"] = cbfloat16_bench.run(
-                options.rounds, seed=options.seed, tick=state.tick, float16_autocast=options.full
-            )
+            with state.clocked("cbfloat16"):
+                results["cbfloat16"] = cbfloat16_bench.run(
+                    options.rounds,
+                    iters=cbfloat16_bench.ITERS if options.full else QUICK_CBFLOAT16_ITERS,
+                    seed=options.seed,
+                    tick=state.tick,
+                    float16_autocast=options.full,
+                    quick=not options.full,
+                )
         if "memory" in options.sections:
             bar.set_description("memory: fresh processes")
             sizes = [s for s in options.sizes if not SIZES[s].tiny] or ["S"]
-            results["memory"] = memory_bench.run(
-                sizes,
-                MEMORY_ROUNDS[options.full],
-                steps=memory_bench.STEPS if options.full else memory_bench.QUICK_STEPS,
-                variants=memory_bench.VARIANTS if options.full else memory_bench.QUICK_VARIANTS,
-                seed=options.seed,
-                tick=state.tick,
-            )
+            with state.clocked("memory"):
+                results["memory"] = memory_bench.run(
+                    sizes,
+                    MEMORY_ROUNDS[options.full],
+                    steps=memory_bench.STEPS if options.full else memory_bench.QUICK_STEPS,
+                    variants=memory_bench.VARIANTS if options.full else memory_bench.QUICK_VARIANTS,
+                    seed=options.seed,
+                    tick=state.tick,
+                )
     meta = results["meta"]
     meta["compiles_after_warmup_total"] = sum(
         case["compiles_after_warmup"] for case in results["cases"]

@@ -2,7 +2,7 @@
 
 The end-to-end run uses size S (20 tensors: its compilations are quicker than tiny's 148), every
 section (the host-cost section with 3 and 5 one-element gradients, the JAX train step on S's
-layout), one timed step per round and two rounds. The report's rendering of other cases (sections
+layout), one timed step per round and one round. The report's rendering of other cases (sections
 left out, overflows, subnormals, a failed DDP section) is checked on edited copies of its results.
 """
 
@@ -21,11 +21,13 @@ import torch
 
 from benchmarks import (
     bandwidth,
+    cbfloat16_bench,
     cli,
     ddp_bench,
     host_bench,
     host_profile,
     jax_bench,
+    memory_bench,
     plots,
     report,
     runner,
@@ -48,7 +50,7 @@ CASE_KEYS = {
     "compiles_after_warmup",
     "first_step",
 }
-ROUNDS = 2
+ROUNDS = 1
 S_TENSORS, S_PARAMS = 20, 1_068_800
 HOST_TENSORS = (3, 5)
 # The start-up, cbfloat16 and memory sections have tests of their own
@@ -69,11 +71,16 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Path:
+    """One end-to-end run that every test of the module reads. The facade's core cache is on,
+    in a folder of the run's own (the suite turns it off): each decision core is compiled once,
+    and the DDP ranks load what this process compiled instead of compiling it again."""
     out = tmp_path_factory.mktemp("bench")
     argv = ["--sizes", "S", "--rounds", str(ROUNDS), "--iters", "1", "--warmup", "1"]
     argv += ["--host-tensors", ",".join(map(str, HOST_TENSORS)), "--step-size", "S"]
-    argv += ["--sections", ",".join(HARNESS_SECTIONS)]
-    assert cli.main([*argv, "--out", str(out), "--no-progress"]) == 0
+    argv += ["--sections", ",".join(HARNESS_SECTIONS), "--full"]  # every group, every loss
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CSTORCH_AMP_CACHE_DIR", str(tmp_path_factory.mktemp("cores")))
+        assert cli.main([*argv, "--out", str(out), "--no-progress"]) == 0
     return out
 
 
@@ -523,7 +530,7 @@ def test_the_quick_run_and_the_full_run(monkeypatch: pytest.MonkeyPatch, tmp_pat
     quick, full, chosen = seen
     assert quick.sections == full.sections == runner.SECTIONS
     assert (quick.sizes, quick.rounds, quick.step_size, quick.full) == (
-        ("S", "tiny"),
+        ("S",),
         3,
         "S",
         False,
@@ -536,6 +543,11 @@ def test_the_quick_run_and_the_full_run(monkeypatch: pytest.MonkeyPatch, tmp_pat
     )
     assert (chosen.sizes, chosen.rounds, chosen.step_size, chosen.full) == (("S",), 2, "S", True)
     cli.build_parser().parse_args(["--full", "--large"])  # --large still adds L
+    # The quick run's cuts; the full run keeps every group, loss and round.
+    assert runner._set_to_none(quick) == (True,) and runner._set_to_none(full) == (True, False)
+    assert runner._step_losses(quick) == step_bench.LOSSES[:2]
+    assert runner._step_losses(full) == step_bench.LOSSES
+    assert (runner._startup_rounds(quick), runner._startup_rounds(full)) == (2, 5)
 
 
 def test_choose_iters_makes_every_round_at_least_the_minimum() -> None:
@@ -546,12 +558,13 @@ def test_choose_iters_makes_every_round_at_least_the_minimum() -> None:
     assert timing.choose_iters(5, 0.01, fixed=True) == 5  # the user's --iters is kept
 
 
-def test_a_ratio_below_its_floor_is_marked_as_noise() -> None:
+def test_no_ratio_below_its_floor_is_printed_as_a_result() -> None:
     below = {"median": 0.93, "min": 0.88, "max": 1.02}
     never = {"median": 0.47, "min": 0.33, "max": 0.50}
     assert report._ratio_cell(never, floor=1.0).endswith("the reference is not a floor here)")
     above = {"median": 1.04, "min": 0.97, "max": 1.10}
-    assert report._ratio_cell(below, floor=1.0).endswith("(noise: below its 1.00x floor)")
+    cell = report._ratio_cell(below, floor=1.0)
+    assert cell == "at its 1.00x floor (measured 0.930x [0.880, 1.02]: noise)"
     assert "noise" not in report._ratio_cell(above, floor=1.0)
     assert "noise" not in report._ratio_cell(below)  # no floor: a result
     assert report.STEP_FLOORS["ratio_plain"][step_bench.WITH_LOSS_SCALING] == 1.0
@@ -569,7 +582,9 @@ def test_the_report_names_the_cpu_and_its_half_precision_features() -> None:
         assert set(features) == set(runner.CPU_FEATURES)
 
 
-@pytest.mark.parametrize("module", [report, host_bench, step_bench, plots])
+@pytest.mark.parametrize(
+    "module", [report, host_bench, step_bench, plots, memory_bench, cbfloat16_bench]
+)
 def test_doctests(module: Any) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0

@@ -39,14 +39,17 @@ def test_startup_section_measures_imports_and_both_runs_in_fresh_processes(monke
 
 def test_cbfloat16_section_times_every_variant_interleaved(monkeypatch):
     """Eager and compiled rows, each compiled row's ratio to compiled float32, dynamo's counts
-    (no frame compiled after the warm-up), the JAX door's table; on a small GPT-2. The compiled
-    rows use ``aot_eager`` (dynamo and autograd's graphs without inductor's code generation):
-    the harness is what is tested here, the preview under inductor is in
-    ``tests/torch_facade/test_cbfloat16_compile.py``."""
+    (no frame compiled after the warm-up), the JAX door's table; on a small GPT-2. Nothing is
+    compiled that the checks do not read: the compiled rows use dynamo's ``eager`` backend
+    (dynamo's graphs, run as they are), and the eager preview rounds without the loop inductor
+    compiles for it (``CSTORCH_CBFLOAT16_FUSED=0``; the same bits). The harness is what is
+    tested here; the preview under inductor is in ``tests/torch_facade/test_cbfloat16_compile.py``
+    and the fused loop in ``tests/torch_facade/test_cbfloat16_kernel.py``."""
     pytest.importorskip("transformers")
-    monkeypatch.setattr(cbfloat16_bench, "BACKEND", "aot_eager")
+    monkeypatch.setattr(cbfloat16_bench, "BACKEND", "eager")
+    monkeypatch.setenv("CSTORCH_CBFLOAT16_FUSED", "0")
     result = cbfloat16_bench.run(rounds=1, iters=1, warmup=0, small=True, jax_iters=1)
-    with cbfloat16_bench._variants(0, small=True, float16_autocast=False) as rows:
+    with cbfloat16_bench._variants(0, cbfloat16_bench.SMALL_MODEL, float16_autocast=False) as rows:
         without_autocast = [row.name for row in rows]
     assert len(without_autocast) == 4 and not any("autocast" in n for n in without_autocast)
     names = [row["case"] for row in result["rows"]]
@@ -81,3 +84,5 @@ def test_cbfloat16_section_times_every_variant_interleaved(monkeypatch):
     assert "frames compiled after the warm-up: 0" in text
     assert "page faults / iteration" in text and "in blocks of 1 iterations" in text
     assert "| cbfloat16 + DLS |" in text
+    assert "GPT2LMHeadModel, 1 layer, d=32, 2x16 bytes" in text
+    assert "flax NNX GPT (1 layer, width 32, 4 x 16 bytes)" in text
