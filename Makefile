@@ -58,9 +58,9 @@ dist: $(STAMP)
 	$(VENV)/bin/twine check --strict dist/*
 
 # The quick run: every section at S, fewer rounds, groups and models (benchmarks/cli.py lists
-# the cuts); at most 5 minutes on 2 idle cores from a fresh clone, every cache cold
-# (docs/performance-notes.md). bench-full gives the documented numbers (docs/performance.md),
-# bench-large adds the L size to them.
+# the cuts): minutes from a fresh clone with every cache cold (a measured run:
+# docs/performance-notes.md, "The quick run's time"). bench-full gives the documented numbers
+# (docs/performance.md), bench-large adds the L size to them.
 bench: $(STAMP)
 	$(PY) -m benchmarks
 

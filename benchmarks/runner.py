@@ -531,7 +531,7 @@ class _Run:
         where a round has room for two runs (S and tiny; M's few long iterations stay variant
         by variant). The whole-iteration and JAX train-step sections use it: at S their steps
         take milliseconds, and a round variant by variant (seconds) lets the machine's drift
-        put one variant's median below the floor another variant's sets."""
+        put one variant's median below the floor another variant sets."""
         plan = self.plan(spec)
         if plan.max_iters < 2 * WHOLE_RUN:
             return plan
