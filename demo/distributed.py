@@ -278,8 +278,6 @@ def train_jax(
     """Trains the JAX door's GPT as process ``rank`` of ``world`` (``jax.distributed`` must be
     initialised when ``world > 1``); see :func:`train_torch`."""
     import jax
-    import jax.numpy as jnp
-    import optax
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -288,6 +286,9 @@ def train_jax(
     from workbench.byte_gpt_jax import GPT, adamw
 
     settings = plan.settings
+    batches = step_batches(plan, reverse)
+    rows = rows_of(rank, world, settings.batch_size)
+    bad_row = overflow_row(world, settings.batch_size)
     devices = jax.devices() if world > 1 else jax.devices()[:1]
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -306,54 +307,9 @@ def train_jax(
         lambda a: jax.make_array_from_process_local_data(replicated, np.asarray(a)), state
     )
     key = (settings, micro_batches, world)
-    if key in _JAX_STEPS:
-        graphdef, step = _JAX_STEPS[key]
-        return _run_jax_steps(plan, rank, world, reverse, graphdef, step, state, by_row)
-
-    def weighted_loss(m: GPT, windows: jax.Array, weights: jax.Array) -> jax.Array:
-        logits = m(windows[:, :-1]).astype(jnp.float32)
-        tokens = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
-        return jnp.mean(tokens.mean(axis=1) * weights)
-
-    def step_fn(graphdef: Any, state: Any, windows: jax.Array, weights: jax.Array) -> Any:
-        m, opt = nnx.merge(graphdef, state)
-        scale = opt.scaler.loss_scale
-
-        def loss_of(m: GPT, part: slice) -> jax.Array:
-            return weighted_loss(m, windows[part], weights[part]) / micro_batches
-
-        share = windows.shape[0] // micro_batches
-        grads = nnx.grad(lambda m: opt.scale_loss(loss_of(m, slice(0, share))))(m)
-        for index in range(1, micro_batches):  # accumulated, as a one-process user sums them
-            part = slice(index * share, (index + 1) * share)
-            more = nnx.grad(lambda m, part=part: opt.scale_loss(loss_of(m, part)))(m)
-            grads = jax.tree.map(jnp.add, grads, more)
-        isfinite = opt.update(m, grads)
-        return nnx.state((m, opt)), scale, ~isfinite
-
-    step = jax.jit(step_fn, static_argnums=0, out_shardings=replicated, donate_argnums=1)
-    _JAX_STEPS[key] = (graphdef, step)
-    return _run_jax_steps(plan, rank, world, reverse, graphdef, step, state, by_row)
-
-
-def _run_jax_steps(
-    plan: Plan,
-    rank: int,
-    world: int,
-    reverse: bool,
-    graphdef: Any,
-    step: Any,
-    state: Any,
-    by_row: Any,
-) -> Record:
-    """Runs :func:`train_jax`'s steps and collects its record."""
-    import jax
-    from flax import nnx
-
-    settings = plan.settings
-    batches = step_batches(plan, reverse)
-    rows = rows_of(rank, world, settings.batch_size)
-    bad_row = overflow_row(world, settings.batch_size)
+    if key not in _JAX_STEPS:
+        _JAX_STEPS[key] = (graphdef, _jax_step(replicated, micro_batches))
+    graphdef, step = _JAX_STEPS[key]
 
     def global_rows(value: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(by_row, value[rows], value.shape)
@@ -379,6 +335,41 @@ def _run_jax_steps(
     }
     final = np.asarray(optimizer.scaler.loss_scale.addressable_shards[0].data)
     return Record(rank, world, skipped, scales, float(final), params, seconds)
+
+
+def _jax_step(replicated: Any, micro_batches: int) -> Any:
+    """:func:`train_jax`'s jitted step: the scaled loss's gradients (summed over
+    ``micro_batches`` shares of the batch), the loss-scaled update, the loss scale it used and
+    whether it skipped."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from workbench.byte_gpt_jax import GPT
+
+    def weighted_loss(m: GPT, windows: jax.Array, weights: jax.Array) -> jax.Array:
+        logits = m(windows[:, :-1]).astype(jnp.float32)
+        tokens = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+        return jnp.mean(tokens.mean(axis=1) * weights)
+
+    def step_fn(graphdef: Any, state: Any, windows: jax.Array, weights: jax.Array) -> Any:
+        m, opt = nnx.merge(graphdef, state)
+        scale = opt.scaler.loss_scale
+
+        def loss_of(m: GPT, part: slice) -> jax.Array:
+            return weighted_loss(m, windows[part], weights[part]) / micro_batches
+
+        share = windows.shape[0] // micro_batches
+        grads = nnx.grad(lambda m: opt.scale_loss(loss_of(m, slice(0, share))))(m)
+        for index in range(1, micro_batches):  # accumulated, as a one-process user sums them
+            part = slice(index * share, (index + 1) * share)
+            more = nnx.grad(lambda m, part=part: opt.scale_loss(loss_of(m, part)))(m)
+            grads = jax.tree.map(jnp.add, grads, more)
+        isfinite = opt.update(m, grads)
+        return nnx.state((m, opt)), scale, ~isfinite
+
+    return jax.jit(step_fn, static_argnums=0, out_shardings=replicated, donate_argnums=1)
 
 
 def jax_rank(plan: Plan, rank: int, world: int, port: int) -> Record:
