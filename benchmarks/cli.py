@@ -5,8 +5,8 @@ Examples::
     python -m benchmarks                            # every section, quick: S, 3 rounds
     python -m benchmarks --full                     # the documented numbers: S, M, tiny, 5 rounds
 
-The quick run (``make bench``: minutes from a fresh clone with every cache cold; the measured
-time and where it goes: ``docs/performance-notes.md``) cuts, against ``--full``: the sizes (S only: the host section's 148 one-element gradients
+The quick run (``make bench``: 4:56 from a fresh clone with every cache cold on 2 idle cores;
+the measured time and where it goes: ``docs/performance-notes.md``) cuts, against ``--full``: the sizes (S only: the host section's 148 one-element gradients
 measure what tiny's fixed cost shows, and XLA compiles the jax section's gated floor over tiny's
 148 one-element leaves for minutes); the rounds (3; the start-up section's 2); whole iterations
 with torch's default ``zero_grad()`` only; the JAX train step at S without its accumulated loss;
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{','.join(QUICK_SIZES)}, {QUICK_ROUNDS} rounds (start-up {QUICK_STARTUP_ROUNDS}), "
         "zero_grad() with torch's default only, the step section at S without its accumulated "
         f"loss, the cbfloat16 section on 1-block models and {QUICK_CBFLOAT16_ITERS} iterations a "
-        "round, 4 memory variants in one process each: minutes, from a fresh clone too)",
+        "round, 4 memory variants in one process each: about 5 minutes from a fresh clone)",
     )
     parser.add_argument(
         "--step-size",
