@@ -6,8 +6,9 @@ Examples::
     python -m benchmarks --full                     # the documented numbers: S, M, tiny, 5 rounds
 
 The quick run (``make bench``: 4:56 from a fresh clone with every cache cold on 2 idle cores;
-the measured time and where it goes: ``docs/performance-notes.md``) cuts, against ``--full``: the sizes (S only: the host section's 148 one-element gradients
-measure what tiny's fixed cost shows, and XLA compiles the jax section's gated floor over tiny's
+the measured time and where it goes: ``docs/performance-notes.md``) cuts, against ``--full``:
+the sizes (S only: the host section's 148 one-element gradients measure what tiny's fixed cost
+shows, and XLA compiles the jax section's gated floor over tiny's
 148 one-element leaves for minutes); the rounds (3; the start-up section's 2); whole iterations
 with torch's default ``zero_grad()`` only; the JAX train step at S without its accumulated loss;
 the cbfloat16 section on 1-block models, 4 iterations a round, no float16 autocast rows; the

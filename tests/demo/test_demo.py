@@ -283,7 +283,9 @@ def test_the_tiny_run_writes_the_sweep(tiny_run: tuple[list, Path]) -> None:
 
 
 @pytest.mark.parametrize("front_door", ["torch", "jax"])
-def test_real_accumulation_of_one_batch_twice_is_the_step_of_that_batch(front_door: str) -> None:
+def test_real_accumulation_of_one_batch_four_times_is_the_step_of_that_batch(
+    front_door: str,
+) -> None:
     """Four micro-batches, each the same windows, each loss divided by 4: the summed gradients
     are the gradients of one batch (dividing by 4 is exact), so float32 trains exactly as
     without them. (The shapes of the tiny run's real accumulation at k = 4: the JAX door reuses

@@ -293,6 +293,27 @@ def test_large_cpu_tensors_round_in_one_fused_loop_with_the_same_bits():
     )
 
 
+def test_the_fused_loop_gives_the_same_bits_on_several_threads():
+    """The loop is split over torch's threads at each call (``cpp.dynamic_threads``); the
+    suite's workers run torch on one thread, so the split is taken here: 2 and 3 threads, sizes
+    that divide unevenly between them, every bit the specification's."""
+    fused = _cbfloat16_kernel._fused_rounding()
+    assert fused is not None, "inductor could not compile the fused rounding on this machine"
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**32, 2**20 + 37, dtype=np.uint64).astype(np.uint32)
+    expected = _jax_bits(bits)
+    threads = torch.get_num_threads()
+    try:
+        for count in (2, 3):
+            torch.set_num_threads(count)
+            for size in (bits.size, 2**16 + 5, 1001):
+                x = torch.from_numpy(bits[:size].view(np.float32).copy())
+                got = fused(x).numpy().view(np.uint32)
+                _assert_equal_bits(bits[:size], expected[:size], got, f"fused, {count} threads")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _forget_the_fused_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cbfloat16_kernel, "_FUSED", [])
 

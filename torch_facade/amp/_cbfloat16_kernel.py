@@ -235,7 +235,7 @@ def _compile_loop(
         # One parallel loop over torch's threads, however many there are when it is called:
         # inductor's own choice, from the traced size (a handful of elements), was a loop on one
         # thread whatever torch's count, while every other element-wise operation of the
-        # iteration used them all (the preview cost 1.27-1.38x float32 on 2 threads, 1.17x on 1).
+        # iteration used them all (docs/performance.md, "The cbfloat16 preview").
         options = {"cpp.dynamic_threads": True}
         loop = torch._inductor.compile(graph, example_inputs, options)  # type: ignore[arg-type]
         captured.append((loop, example_inputs))
