@@ -3,7 +3,8 @@ bit: every cbfloat16 code, every rounding tie and its float32 neighbours, float3
 infs, NaNs and 10**7 random float32 bit patterns. Each set goes through the whole kernel (which
 sends a tensor holding any value outside the integer path's range down the carrier path),
 through the carrier path alone (the one a GPU takes) and, the patterns the integer path takes,
-through that path alone.
+through that path alone. On the CPU the whole kernel is the fused loop (a contiguous tensor),
+compiled here once per session.
 
 The oracle is ``hardware.get_format("cbfloat16").round``, itself tested against ml_dtypes and
 hand derivations in ``tests/hardware/test_formats.py``. Bits are compared as uint32, so the sign
@@ -11,8 +12,6 @@ of zero and the NaN's bits count.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,21 +24,11 @@ from torch_facade.amp._cbfloat16_kernel import (
     _round_on_integers,
     _round_with_carrier,
     round_float32,
-    round_float32_branch_free,
 )
 
 FORMAT = get_format("cbfloat16")
 RANDOM_PATTERNS = 10**7
 CHUNK = 2**21
-_COMPILED: dict = {}
-
-
-def _compiled(rounding: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """``rounding`` compiled by inductor, as ``cbfloat16_numerics`` runs it inside
-    ``torch.compile`` (compiled once, for every size)."""
-    if rounding not in _COMPILED:
-        _COMPILED[rounding] = torch.compile(rounding, dynamic=True)
-    return _COMPILED[rounding]
 
 
 def _jax_bits(bits: np.ndarray) -> np.ndarray:
@@ -70,18 +59,11 @@ def _assert_equal_bits(bits: np.ndarray, expected: np.ndarray, got: np.ndarray, 
 def _assert_same_bits(bits: np.ndarray) -> None:
     bits = np.ascontiguousarray(bits, dtype=np.uint32)
     expected = _jax_bits(bits)
-    _assert_equal_bits(bits, expected, _torch_bits(bits), "round_float32")
+    assert _cbfloat16_kernel.prepare_fused_rounding(), "the fused loop did not compile here"
+    _assert_equal_bits(bits, expected, _torch_bits(bits), "round_float32 (the fused loop)")
     # The carrier path alone on every pattern: what a GPU runs on every tensor.
     carried = _round_with_carrier(torch.from_numpy(bits.view(np.float32).copy()))
     _assert_equal_bits(bits, expected, carried.numpy().view(np.uint32), "the carrier path")
-    # The branch-free roundings (what torch.compile traces, and the fused path's loop), eagerly
-    # and compiled by inductor.
-    for path, rounding in [
-        ("round_float32_branch_free", round_float32_branch_free),
-        ("round_float32_branch_free, compiled", _compiled(round_float32_branch_free)),
-    ]:
-        x = torch.from_numpy(bits.view(np.float32).copy())
-        _assert_equal_bits(bits, expected, rounding(x).numpy().view(np.uint32), path)
     taken = _integer_path_takes(bits.view(np.float32))
     if taken.any():
         x = torch.from_numpy(bits[taken].view(np.float32).copy())
@@ -274,13 +256,11 @@ def _hardware_bits(x: torch.Tensor) -> np.ndarray:
 
 
 def test_large_cpu_tensors_round_in_one_fused_loop_with_the_same_bits():
-    """From FUSED_FROM elements, a contiguous CPU tensor takes the inductor-compiled loop (here,
-    where a C++ compiler is present); a transposed one the integer or carrier path. The bits of
-    both are the specification's."""
+    """A contiguous CPU tensor takes the compiled loop (here, where a C++ compiler is present); a
+    transposed one the integer or carrier path. The bits of both are the specification's."""
     fused = _cbfloat16_kernel._fused_rounding()
     assert fused is not None, "inductor could not compile the fused rounding on this machine"
     x = _large_mixed_tensor()
-    assert x.numel() >= _cbfloat16_kernel.FUSED_FROM
     _assert_equal_bits(
         x.numpy().view(np.uint32), _hardware_bits(x), round_float32(x).numpy().view(np.uint32),
         "round_float32 (fused)",
@@ -294,9 +274,10 @@ def test_large_cpu_tensors_round_in_one_fused_loop_with_the_same_bits():
 
 
 def test_the_fused_loop_gives_the_same_bits_on_several_threads():
-    """The loop is split over torch's threads at each call (``cpp.dynamic_threads``); the
+    """The loop is split over torch's threads at each call, from PARALLEL_FROM elements; the
     suite's workers run torch on one thread, so the split is taken here: 2 and 3 threads, sizes
-    that divide unevenly between them, every bit the specification's."""
+    that divide unevenly between them and the threshold's neighbours, every bit the
+    specification's."""
     fused = _cbfloat16_kernel._fused_rounding()
     assert fused is not None, "inductor could not compile the fused rounding on this machine"
     rng = np.random.default_rng(3)
@@ -306,7 +287,8 @@ def test_the_fused_loop_gives_the_same_bits_on_several_threads():
     try:
         for count in (2, 3):
             torch.set_num_threads(count)
-            for size in (bits.size, 2**16 + 5, 1001):
+            parallel_from = _cbfloat16_kernel.PARALLEL_FROM
+            for size in (bits.size, 2**16 + 5, parallel_from, parallel_from - 1, 1001):
                 x = torch.from_numpy(bits[:size].view(np.float32).copy())
                 got = fused(x).numpy().view(np.uint32)
                 _assert_equal_bits(bits[:size], expected[:size], got, f"fused, {count} threads")
@@ -327,8 +309,10 @@ def test_without_a_compiled_loop_the_kernel_keeps_the_integer_path(monkeypatch):
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no C++ compiler")
 
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
     _forget_the_fused_rounding(monkeypatch)
-    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding", no_compiler)
     assert _cbfloat16_kernel._fused_rounding() is None
     bits = x.numpy().view(np.uint32)
     _assert_equal_bits(bits, expected, round_float32(x).numpy().view(np.uint32), "no compiler")
@@ -341,9 +325,14 @@ def test_without_a_compiled_loop_the_kernel_keeps_the_integer_path(monkeypatch):
 
 
 def test_a_compiled_loop_that_rounds_wrongly_is_not_used(monkeypatch):
-    """The compiled loop is checked against the carrier path on a probe before it is used."""
+    """The compiled loop is checked against the carrier path on a probe before it is used: here
+    a loop compiled without its rounding step (what a compiler's unsafe-math options would make
+    of ``(value + carrier) - carrier``)."""
     _forget_the_fused_rounding(monkeypatch)
-    monkeypatch.setattr(_cbfloat16_kernel, "round_float32_branch_free", lambda x: x * 1.0)
+    rounding = "(value + carrier) - carrier;"
+    assert rounding in _cbfloat16_kernel.LOOP_SOURCE
+    wrong = _cbfloat16_kernel.LOOP_SOURCE.replace(rounding, "value + 0.0f * carrier;")
+    monkeypatch.setattr(_cbfloat16_kernel, "LOOP_SOURCE", wrong)
     assert _cbfloat16_kernel._fused_rounding() is None
     x = _large_mixed_tensor()
     got = round_float32(x).numpy().view(np.uint32)
@@ -351,9 +340,9 @@ def test_a_compiled_loop_that_rounds_wrongly_is_not_used(monkeypatch):
 
 
 def test_the_fused_loop_takes_every_size_and_shape_and_returns_a_tensor_of_its_own():
-    """Called directly (without dynamo's guards), the compiled loop must handle every size
-    (vector tails included), every contiguous shape, offsets into a storage and inference
-    tensors, and return a new tensor that is not a view (so it may be changed in place)."""
+    """Called on data pointers, the compiled loop must handle every size (vector tails
+    included), every contiguous shape, offsets into a storage and inference tensors, and return
+    a new tensor that is not a view (so it may be changed in place)."""
     assert _cbfloat16_kernel.prepare_fused_rounding()
     values = _large_mixed_tensor()
     for size in [*range(1, 70), 255, 4097]:
@@ -377,19 +366,6 @@ def test_the_fused_loop_takes_every_size_and_shape_and_returns_a_tensor_of_its_o
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
     expected.mul_(2.0)  # its own storage: the input is untouched
     assert torch.equal(inference, values[:1000])
-
-
-def test_the_fused_loop_is_its_own_whatever_else_compiled_the_rounding(monkeypatch):
-    """Dynamo keeps compiled code per code object: the fused loop traces a copy of the rounding
-    with its own, so that compiling the rounding elsewhere in the process (as torch.compile'd
-    models inside cbfloat16_numerics do) neither answers for it nor exhausts its recompiles."""
-    for _ in range(10):  # past dynamo's recompile limit (8) if they shared one code object
-        torch.compile(round_float32_branch_free, dynamic=True)(torch.ones(5))
-        _forget_the_fused_rounding(monkeypatch)
-        assert _cbfloat16_kernel.prepare_fused_rounding()
-    x = _large_mixed_tensor()
-    got = round_float32(x).numpy().view(np.uint32)
-    _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "fused, recompiled")
 
 
 def test_entering_cbfloat16_numerics_compiles_the_loop_before_any_forward(monkeypatch):

@@ -13,23 +13,23 @@ bit: every cbfloat16 code, every rounding tie, float32 subnormals, infs and NaNs
 float32 bit patterns (10**7 in all). ``hardware`` stays the specification; a change of the
 format is made there and this kernel follows the test.
 
-On the CPU, a contiguous tensor of ``FUSED_FROM`` (2) elements or more takes the fused path,
-strided ones (and every tensor where the fused path cannot be compiled) the integer path, and
-the few the integer path refuses, like every tensor on other devices, the carrier path. All give
-the same bits.
+On the CPU, a contiguous tensor takes the fused path, strided ones (and every tensor where the
+fused path cannot be compiled) the integer path, and the few the integer path refuses, like every
+tensor on other devices, the carrier path. All give the same bits.
 
-**The fused path** (CPU, contiguous tensors): :func:`round_float32_branch_free` (the carrier
-path's arithmetic without its reads), compiled once per process by inductor (``torch.compile``,
-a dynamic size, split over torch's threads as they are at each call) into one loop that reads
-the tensor once and writes the result once; the
-integer path makes eight passes and a reduction that waits for its result. The loop is then
-called directly, without dynamo's guards (it is always called with the inputs they check), which
-makes a call cost a fraction of a guarded one. Rounding is what most of the preview's time went
-to, and this loop takes about a third of the integer path's time (docs/performance-notes.md,
-"Figures from the facade's docstrings"). ``cbfloat16_numerics`` compiles it on entry (seconds;
-inductor's cache on disk shortens it in later processes) and checks it against the carrier path
-on a probe; where it cannot be compiled (no C++ compiler, say) or ``CSTORCH_CBFLOAT16_FUSED=0``
-is set, the integer path stays.
+**The fused path** (CPU, contiguous tensors): one C++ loop (:data:`LOOP_SOURCE`: the carrier
+path's arithmetic on each element, its decisions made per element by selects), compiled once per
+process by inductor's C++ toolchain (the compiler, flags and cache folder inductor uses for its
+own CPU kernels) and called through a Python binding that takes the tensors themselves: it reads
+the tensor once and writes the result once, split over torch's threads as they are at each call
+(one thread below :data:`PARALLEL_FROM` elements); the integer path makes eight passes and a
+reduction that waits for its result. Inductor builds its kernels without the compiler's loop
+vectoriser (its code generator writes the vector operations itself); the source turns it back on
+for this loop, which then runs at the speed of one multiplication (docs/performance-notes.md,
+"Figures from the facade's docstrings"). ``cbfloat16_numerics`` compiles it on entry (about 3 s;
+inductor's cache on disk makes later processes' loads short) and checks it against the carrier
+path on a probe; where it cannot be compiled (no C++ compiler, say) or
+``CSTORCH_CBFLOAT16_FUSED=0`` is set, the integer path stays.
 
 **The integer path** (CPU). Rounding to nearest even at bit 14 of the float32 encoding is
 ``(b + 0x1FFF + ((b >> 14) & 1)) & ~0x3FFF`` on the bits ``b``: five in-place passes over one
@@ -67,10 +67,8 @@ with no read.
 from __future__ import annotations
 
 import os
-import types
 import warnings
 from collections.abc import Callable
-from typing import Any, cast
 
 import torch
 
@@ -78,9 +76,9 @@ from torch_facade.amp import _caller
 from torch_facade.amp._trusted_folder import owner_and_mode_problem
 
 __all__ = [
+    "LOOP_SOURCE",
     "prepare_fused_rounding",
     "round_float32",
-    "round_float32_branch_free",
 ]
 
 _ABS = 0x7FFFFFFF
@@ -125,7 +123,7 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
     """
     if x.device.type == "cpu" and x.numel() > 0:
-        if x.numel() >= FUSED_FROM and x.is_contiguous():
+        if x.is_contiguous():
             fused = _fused_rounding()
             if fused is not None:
                 return fused(x)
@@ -135,34 +133,84 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
     return _round_with_carrier(x)
 
 
-FUSED_FROM = 2
-"""Elements from which a contiguous CPU tensor takes the fused path (``torch.compile`` with a
-dynamic size specialises sizes 0 and 1). Called directly, the compiled loop is cheaper than the
-integer path at every size from there (docs/performance-notes.md)."""
+PARALLEL_FROM = 32768
+"""Elements from which the fused loop is split over torch's threads: below it, starting the
+threads costs more than the loop (a 2**15-element loop takes about 10 us on one thread)."""
+
+LOOP_SOURCE = r"""
+// cbfloat16 rounding of float32, one element at a time (torch_facade/amp/_cbfloat16_kernel.py).
+// Inductor compiles with -fno-tree-loop-vectorize (its kernels are vectorised by hand); this loop
+// is written for the compiler's vectoriser, so it is turned on again here (GCC; other compilers
+// ignore the line and keep the same bits, more slowly).
+#pragma GCC optimize("tree-loop-vectorize")
+#include <cstdint>
+#include <cstring>
+
+extern "C" void kernel(const float* in, float* out, int64_t n, int64_t threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1 && n >= PARALLEL_FROM)
+    for (int64_t i = 0; i < n; ++i) {
+        int32_t bits;
+        std::memcpy(&bits, in + i, 4);
+        int32_t magnitude = bits & 0x7FFFFFFF;
+        // The carrier 2**e * 2**14, e the exponent of |x| clamped to [-30, 32].
+        int32_t power = magnitude & 0x7F800000;
+        power = power < LOWEST_FIELD ? LOWEST_FIELD : power;
+        power = power > HIGHEST_FIELD ? HIGHEST_FIELD : power;
+        int32_t carrier_bits = power + CARRIER_FIELD;
+        float value, carrier;
+        std::memcpy(&value, &magnitude, 4);
+        std::memcpy(&carrier, &carrier_bits, 4);
+        float rounded = (value + carrier) - carrier;  // the rounding to nearest even
+        int32_t result;
+        std::memcpy(&result, &rounded, 4);
+        result = result >= HIGHEST_FIELD ? 0x7F800000 : result;  // 2**32 and up, inf: inf
+        result = magnitude > 0x7F800000 ? QUIET_NAN : result;    // NaN: the quiet NaN
+        result |= bits & INT32_MIN;                               // the sign of x
+        std::memcpy(out + i, &result, 4);
+    }
+}
+"""
+"""The fused path's loop: the carrier path (the module's docstring) on each element, its two
+decisions made per element. Compiled as C++ by :func:`_compile_loop`; the upper-case names are
+this module's constants, put in before it is compiled."""
 
 _FUSED: list[Callable[[torch.Tensor], torch.Tensor] | None] = []
 """The fused rounding once tried: ``[function]``, or ``[None]`` where it cannot be compiled."""
 
 
 def _fused_rounding() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """:func:`round_float32_branch_free` compiled by inductor into one loop over the tensor (one
-    read, one write, against the integer path's eight passes), or ``None`` where it cannot be
-    compiled here (no C++ compiler, an unsupported platform, ``TORCHDYNAMO_DISABLE``, or
-    ``CSTORCH_CBFLOAT16_FUSED=0``). Compiled once per process for every size (a dynamic size, one
-    dimension); inductor's cache on disk makes the compilation of later processes short. A
+    """:data:`LOOP_SOURCE` compiled into one loop over the tensor (one read, one write, against
+    the integer path's eight passes), or ``None`` where it cannot be compiled here (no C++
+    compiler, an unsupported platform, or ``CSTORCH_CBFLOAT16_FUSED=0``). Compiled once per
+    process; inductor's cache on disk makes the compilation of later processes short. A
     compiled loop that does not give the carrier path's bits on a probe is not used."""
     if _FUSED:
         return _FUSED[0]
     fused: Callable[[torch.Tensor], torch.Tensor] | None = None
     if os.environ.get("CSTORCH_CBFLOAT16_FUSED", "1") != "0" and _inductor_cache_is_trusted():
         try:
-            fused = _compile_loop(round_float32_branch_free)
-            if fused is not None and not _rounds_the_probe(fused):
+            fused = _compile_loop(_loop_source())
+            if not _rounds_the_probe(fused):
                 fused = None
         except Exception:  # any failure to compile leaves the integer path
             fused = None
     _FUSED.append(fused)
     return fused
+
+
+def _loop_source() -> str:
+    """:data:`LOOP_SOURCE` with this module's constants written in."""
+    constants = {
+        "PARALLEL_FROM": PARALLEL_FROM,
+        "LOWEST_FIELD": _LOWEST_FIELD,
+        "HIGHEST_FIELD": _HIGHEST_FIELD,
+        "CARRIER_FIELD": _CARRIER_FIELD,
+        "QUIET_NAN": _QUIET_NAN,
+    }
+    source = LOOP_SOURCE
+    for name, value in constants.items():
+        source = source.replace(name, str(value))
+    return source
 
 
 def _inductor_cache_is_trusted() -> bool:
@@ -212,54 +260,21 @@ def prepare_fused_rounding() -> bool:
     return _fused_rounding() is not None
 
 
-def _compile_loop(
-    rounding: Callable[[torch.Tensor], torch.Tensor],
-) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``rounding`` compiled by inductor for one-dimensional float32 tensors of any size, as a
-    function of a contiguous tensor of any shape; ``None`` if inductor is not handed the graph
-    expected.
+def _compile_loop(source: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``source`` (a C++ function ``kernel(in, out, n, threads)``) compiled and loaded by
+    inductor's C++ toolchain, as a function of a contiguous float32 CPU tensor that returns a
+    new one. The binding reads each tensor's data pointer (no dispatcher, no autograd: the
+    result records nothing), so a call costs a few microseconds."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    Dynamo traces it once (a dynamic size) and hands inductor the graph; the loop inductor
-    returns is then called directly, without dynamo's guards and wrappers (most of a guarded
-    call's cost). That is sound because every call passes what the guards check: a detached,
-    contiguous float32 CPU tensor of one dimension with at least ``FUSED_FROM`` elements, and
-    its size. Dynamo keeps what it compiled with each code object, so the function traced is a
-    copy of ``rounding`` with a code object of its own: another ``torch.compile`` of
-    ``rounding`` in the process neither answers for it nor counts against its recompile limit.
-    """
-    import torch._inductor
-
-    captured: list[tuple[Callable[..., list[torch.Tensor]], list[object]]] = []
-
-    def keep(graph: torch.fx.GraphModule, example_inputs: list[object]) -> Callable[..., Any]:
-        # One parallel loop over torch's threads, however many there are when it is called:
-        # inductor's own choice, from the traced size (a handful of elements), was a loop on one
-        # thread whatever torch's count, while every other element-wise operation of the
-        # iteration used them all (docs/performance.md, "The cbfloat16 preview").
-        options = {"cpp.dynamic_threads": True}
-        loop = torch._inductor.compile(graph, example_inputs, options)  # type: ignore[arg-type]
-        captured.append((loop, example_inputs))
-        return loop
-
-    function = cast(types.FunctionType, rounding)
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
-    traced = torch.compile(copy, dynamic=True, fullgraph=True, backend=keep)
-    with torch.no_grad():  # an inference graph (no autograd wrapper around the loop)
-        traced(torch.zeros(FUSED_FROM + 15))  # any size past dynamo's 0/1 specialisation
-    sized = [isinstance(value, torch.SymInt) for value in captured[0][1]] if captured else []
-    if len(captured) != 1 or sorted(sized) != [False, True]:
-        return None
-    loop, size_first = captured[0][0], sized[0]
+    loop = CppPythonBindingsCodeCache.load_pybinding(
+        ["const float*", "float*", "int64_t", "int64_t"], source
+    )
 
     def direct(x: torch.Tensor) -> torch.Tensor:
-        # No grad-mode context: the loop writes a new tensor through raw pointers, so nothing
-        # is recorded for autograd (its input detached); the context was a sizeable share of
-        # the call.
-        flat = x.detach().view(-1)
-        out = loop(x.numel(), flat) if size_first else loop(flat, x.numel())
-        # resize_, not view: a view made inside an autograd Function may not be changed in
-        # place later (a module's output multiplied in place, say), and the result is new.
-        return out[0].resize_(x.shape)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        loop(x, out, x.numel(), torch.get_num_threads())
+        return out
 
     return direct
 
@@ -320,41 +335,3 @@ def _may_overflow(power_bits: torch.Tensor) -> bool:
     if power_bits.device.type != "cpu" or power_bits.numel() == 0:
         return power_bits.numel() > 0
     return bool(power_bits.max() >= _MAY_OVERFLOW_FIELD)
-
-
-def round_float32_branch_free(x: torch.Tensor) -> torch.Tensor:
-    """:func:`round_float32` with no decision on values: the fused path's loop (see the
-    module's docstring). Every step is element-wise, so inductor fuses them into one loop.
-
-    It is the carrier path without its reads: IEEE float32 addition of the carrier rounds each
-    magnitude to its quantum, two products send what reached ``2**32`` to inf, and a clamp of
-    the bits gives NaNs the quiet NaN's (eleven element-wise operations and no select; the bit
-    views are free). It needs IEEE arithmetic as written, which inductor keeps unless its
-    unsafe-math flag is on (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``, which lets the
-    C++ compiler fold ``(a + c) - c`` into ``a``): a loop compiled so fails the probe
-    (:func:`_rounds_the_probe`) and the integer path stays.
-
-    Bit-identical to ``hardware.get_format("cbfloat16").round`` on every float32 input, as
-    :func:`round_float32` is.
-
-    Args:
-        x: a float32 tensor.
-
-    Example:
-        >>> import torch
-        >>> from torch_facade.amp._cbfloat16_kernel import round_float32_branch_free
-        >>> x = torch.tensor([1 + 2**-10, 65504.0, 2.0**-39, 2.0**-40, -1e10, float("nan")])
-        >>> round_float32_branch_free(x).tolist()
-        [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
-    """
-    bits = x.view(torch.int32)
-    magnitude = bits & _ABS
-    # The carrier 2**e * 2**14 (e: the exponent of |x| clamped to [-30, 32]), made on the bits.
-    power_bits = (magnitude & _EXPONENT).clamp(_LOWEST_FIELD, _HIGHEST_FIELD)
-    carrier = (power_bits + _CARRIER_FIELD).view(torch.float32)
-    rounded = (magnitude.view(torch.float32) + carrier) - carrier
-    # 2**32 and up: inf; the rest unchanged (_OVERFLOW written out: dynamo makes a float read
-    # from a module's globals an input of a dynamic graph, and a literal a constant).
-    rounded = rounded * 2.0**96 * 2.0**-96
-    # A NaN's bits: clamped at the quiet NaN's (steps 3 and 4 of the carrier path), no select.
-    return (rounded.view(torch.int32).clamp(max=_QUIET_NAN) | (bits & _SIGN)).view(torch.float32)

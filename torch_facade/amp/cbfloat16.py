@@ -469,8 +469,8 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     ``RuntimeError`` at the backward pass.
 
     On the CPU the first entry in a process also compiles the rounding loop (seconds: about
-    7 s with an empty inductor cache, 2.5 s with a warm one; ``CSTORCH_CBFLOAT16_FUSED=0``
-    keeps the uncompiled rounding, with the same bits).
+    8 s with an empty inductor cache, 2.7 s with a warm one, most of it importing inductor;
+    ``CSTORCH_CBFLOAT16_FUSED=0`` keeps the uncompiled rounding, with the same bits).
 
     On exit (also on an exception) every parametrization and hook added is removed: the
     modules have their original classes, parameters and state-dict keys again, and the
