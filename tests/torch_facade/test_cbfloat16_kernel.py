@@ -368,6 +368,17 @@ def test_the_fused_loop_takes_every_size_and_shape_and_returns_a_tensor_of_its_o
     assert torch.equal(inference, values[:1000])
 
 
+def test_a_rounding_alone_compiles_nothing(monkeypatch):
+    """Until something prepares the loop (cbfloat16_numerics, on entry), a contiguous tensor
+    takes the integer path: a call of round_to_cbfloat16 alone does not start a compile of
+    seconds. The same bits."""
+    _forget_the_fused_rounding(monkeypatch)
+    x = _large_mixed_tensor()
+    got = round_float32(x).numpy().view(np.uint32)
+    assert _cbfloat16_kernel._FUSED == []
+    _assert_equal_bits(x.numpy().view(np.uint32), _hardware_bits(x), got, "before prepare")
+
+
 def test_entering_cbfloat16_numerics_compiles_the_loop_before_any_forward(monkeypatch):
     """Compiled on entry (not inside a first iteration, where dynamo may be tracing a compiled
     model that reads its parametrized weights), and only once per process."""

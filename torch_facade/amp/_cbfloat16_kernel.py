@@ -13,9 +13,11 @@ bit: every cbfloat16 code, every rounding tie, float32 subnormals, infs and NaNs
 float32 bit patterns (10**7 in all). ``hardware`` stays the specification; a change of the
 format is made there and this kernel follows the test.
 
-On the CPU, a contiguous tensor takes the fused path, strided ones (and every tensor where the
-fused path cannot be compiled) the integer path, and the few the integer path refuses, like every
-tensor on other devices, the carrier path. All give the same bits.
+On the CPU, a contiguous tensor takes the fused path once :func:`prepare_fused_rounding` has
+compiled it (``cbfloat16_numerics`` does, on entry: a rounding call alone never starts a compile
+of seconds), strided ones (and every tensor before that, or where the fused path cannot be
+compiled) the integer path, and the few the integer path refuses, like every tensor on other
+devices, the carrier path. All give the same bits.
 
 **The fused path** (CPU, contiguous tensors): one C++ loop (:data:`LOOP_SOURCE`: the carrier
 path's arithmetic on each element, its decisions made per element by selects), compiled once per
@@ -123,8 +125,8 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
     """
     if x.device.type == "cpu" and x.numel() > 0:
-        if x.is_contiguous():
-            fused = _fused_rounding()
+        if _FUSED and x.is_contiguous():  # the loop, once prepare_fused_rounding compiled it
+            fused = _FUSED[0]
             if fused is not None:
                 return fused(x)
         rounded = _round_on_integers(x)
@@ -249,8 +251,9 @@ def _inductor_cache_is_trusted() -> bool:
 
 
 def prepare_fused_rounding() -> bool:
-    """Compiles the fused CPU rounding now (once per process; a no-op after), rather than at
-    the first rounding of a contiguous CPU tensor; returns whether it is in use.
+    """Compiles the fused CPU rounding (once per process; a no-op after), from which contiguous
+    CPU tensors take it; returns whether it is in use. ``cbfloat16_numerics`` calls it on
+    entry.
 
     Example:
         >>> from torch_facade.amp import _cbfloat16_kernel

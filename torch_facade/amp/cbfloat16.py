@@ -196,7 +196,9 @@ def round_to_cbfloat16(tensor: torch.Tensor) -> torch.Tensor:
     The values are those of ``hardware.get_format("cbfloat16").round`` (round-to-nearest-even,
     subnormals kept, overflow to inf, NaN stays NaN, the sign of zero kept), computed on the
     tensor's device by a few element-wise torch operations that a test holds to that JAX
-    function bit for bit (no crossing into JAX).
+    function bit for bit (no crossing into JAX); on the CPU, once :func:`cbfloat16_numerics`
+    has been entered in the process, by the one loop it compiled (a call alone compiles
+    nothing).
 
     Result dtype: ``torch.promote_types(tensor.dtype, torch.float32)``. A float32 input gives
     float32, the exact container of cbfloat16. float16 and bfloat16 inputs (for example the
