@@ -58,7 +58,7 @@ dist: $(STAMP)
 	$(VENV)/bin/twine check --strict dist/*
 
 # The quick run: every section at S, fewer rounds, groups and models (benchmarks/cli.py lists
-# the cuts): 4:56 from a fresh clone with every cache cold on the 2 idle cores of the project's
+# the cuts): 4:37 from a fresh clone with every cache cold on the 2 idle cores of the project's
 # machine (docs/performance-notes.md, "The quick run's time"). bench-full gives the documented
 # numbers (docs/performance.md), bench-large adds the L size to them.
 bench: $(STAMP)

@@ -5,7 +5,7 @@ Examples::
     python -m benchmarks                            # every section, quick: S, 3 rounds
     python -m benchmarks --full                     # the documented numbers: S, M, tiny, 5 rounds
 
-The quick run (``make bench``: 4:56 from a fresh clone with every cache cold on 2 idle cores;
+The quick run (``make bench``: 4:37 from a fresh clone with every cache cold on 2 idle cores;
 the measured time and where it goes: ``docs/performance-notes.md``) cuts, against ``--full``:
 the sizes (S only: the host section's 148 one-element gradients measure what tiny's fixed cost
 shows, and XLA compiles the jax section's gated floor over tiny's
