@@ -124,7 +124,7 @@ def round_float32(x: torch.Tensor) -> torch.Tensor:
         >>> round_float32(x).tolist()
         [1.0, 65536.0, 1.8189894035458565e-12, 0.0, -inf, nan]
     """
-    if x.device.type == "cpu" and x.numel() > 0:
+    if x.is_cpu and x.numel() > 0:
         if _FUSED and x.is_contiguous():  # the loop, once prepare_fused_rounding compiled it
             fused = _FUSED[0]
             if fused is not None:

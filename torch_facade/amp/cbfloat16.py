@@ -84,9 +84,11 @@ class _RoundToCbfloat16(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        ctx.input_dtype = tensor.dtype
-        out_dtype = torch.promote_types(tensor.dtype, torch.float32)
-        return _round_values(tensor).to(out_dtype)
+        ctx.input_dtype = dtype = tensor.dtype
+        rounded = _round_values(tensor)
+        if dtype == torch.float32:  # the preview's every cast: no conversion call
+            return rounded
+        return rounded.to(torch.promote_types(dtype, torch.float32))
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
@@ -163,7 +165,8 @@ class _CastToCbfloat16(_RoundToCbfloat16):
     @staticmethod
     @host_side  # torch's autograd engine calls it: behind the boundary, as the forward is
     def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
-        return _round_values(grad_output).to(ctx.input_dtype)
+        rounded = _round_values(grad_output)
+        return rounded if ctx.input_dtype == torch.float32 else rounded.to(ctx.input_dtype)
 
 
 @host_side
