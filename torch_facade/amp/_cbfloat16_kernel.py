@@ -5,9 +5,9 @@ format: the one the JAX front door uses and the one the tests check against ml_d
 derivations. A torch model previewed under ``cstorch.amp.cbfloat16_numerics`` rounds every
 parameter and activation, forward and backward: about 180 roundings per iteration of a small
 GPT-2. Through JAX each one crossed DLPack twice, dispatched a jitted call and switched between
-torch's and XLA's thread pools, which made the preview cost as much as a second iteration. Done here,
-the rounding is a handful of element-wise torch operations on the tensor's own device, with no
-crossing.
+torch's and XLA's thread pools, which made the preview cost as much as a second iteration. Done
+here, the rounding runs on the tensor's own device with no crossing: one compiled C++ loop on the
+CPU, a handful of element-wise torch operations elsewhere.
 ``tests/torch_facade/test_cbfloat16_kernel.py`` holds this kernel to the JAX rounding bit for
 bit: every cbfloat16 code, every rounding tie, float32 subnormals, infs and NaNs, and random
 float32 bit patterns (10**7 in all). ``hardware`` stays the specification; a change of the
@@ -28,9 +28,9 @@ the tensor once and writes the result once, split over torch's threads as they a
 reduction that waits for its result. Inductor builds its kernels without the compiler's loop
 vectoriser (its code generator writes the vector operations itself); the source turns it back on
 for this loop, which then runs at the speed of one multiplication (docs/performance-notes.md,
-"Figures from the facade's docstrings"). ``cbfloat16_numerics`` compiles it on entry (about 3 s;
-inductor's cache on disk makes later processes' loads short) and checks it against the carrier
-path on a probe; where it cannot be compiled (no C++ compiler, say) or
+"Figures from the facade's docstrings"). ``cbfloat16_numerics`` compiles it on entry (about 8 s
+with an empty inductor cache, 2.7 s with a warm one, most of it importing inductor) and checks
+it against the carrier path on a probe; where it cannot be compiled (no C++ compiler, say) or
 ``CSTORCH_CBFLOAT16_FUSED=0`` is set, the integer path stays.
 
 **The integer path** (CPU). Rounding to nearest even at bit 14 of the float32 encoding is
