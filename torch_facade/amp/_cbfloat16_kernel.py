@@ -28,10 +28,11 @@ the tensor once and writes the result once, split over torch's threads as they a
 reduction that waits for its result. Inductor builds its kernels without the compiler's loop
 vectoriser (its code generator writes the vector operations itself); the source turns it back on
 for this loop, which then runs at the speed of one multiplication (docs/performance-notes.md,
-"Figures from the facade's docstrings"). ``cbfloat16_numerics`` compiles it on entry (about 8 s
-with an empty inductor cache, 2.7 s with a warm one, most of it importing inductor) and checks
-it against the carrier path on a probe; where it cannot be compiled (no C++ compiler, say) or
-``CSTORCH_CBFLOAT16_FUSED=0`` is set, the integer path stays.
+"Figures from the facade's docstrings"). ``cbfloat16_numerics`` compiles it on entry (on the
+2-core AMD EPYC of docs/performance-notes.md: about 8 s with an empty inductor cache, 2.7 s with
+a warm one, most of it importing inductor) and checks it against the carrier path on a probe;
+where it cannot be compiled (no C++ compiler, say) or ``CSTORCH_CBFLOAT16_FUSED=0`` is set, the
+integer path stays.
 
 **The integer path** (CPU). Rounding to nearest even at bit 14 of the float32 encoding is
 ``(b + 0x1FFF + ((b >> 14) & 1)) & ~0x3FFF`` on the bits ``b``: five in-place passes over one

@@ -473,8 +473,9 @@ def cbfloat16_numerics(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     between the forward pass and that backward pass (an optimizer step) is a
     ``RuntimeError`` at the backward pass.
 
-    On the CPU the first entry in a process also compiles the rounding loop (seconds: about
-    8 s with an empty inductor cache, 2.7 s with a warm one, most of it importing inductor;
+    On the CPU the first entry in a process also compiles the rounding loop (seconds: on a
+    2-core AMD EPYC about 8 s with an empty inductor cache, 2.7 s with a warm one, most of it
+    importing inductor;
     ``CSTORCH_CBFLOAT16_FUSED=0`` keeps the uncompiled rounding, with the same bits).
 
     On exit (also on an exception) every parametrization and hook added is removed: the
